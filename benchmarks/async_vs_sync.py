@@ -1,0 +1,125 @@
+"""Asynchronous versus synchronous RL on the same model, data, seed and machine.
+
+Both sides run the real stack (embedded rollout server process + DeepSpeed trainer + the async
+loop); only ``rollout.max_staleness`` differs: 0 (synchronous RL: generation for batch v+1 starts
+only once version v+1 exists) versus > 0. The task has a long-tailed spread of response lengths
+(running sums of 2..8 terms), as reasoning traces do, so a synchronous batch waits for its longest
+sample.
+
+    python benchmarks/async_vs_sync.py --quick --out bench-results/async_vs_sync.json
+
+Writes {"sync": {...}, "async": {...}, "speedup": sync_wall / async_wall, ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from training_core.config import load_spec  # noqa: E402
+from training_core.metrics import read_metrics  # noqa: E402
+
+TASK = "data.options={min_terms: 2, max_terms: 8, max_value: 9, long_tail: 0.15}"
+
+
+def side(name: str, staleness: int, steps: int, initial: Path, out_root: Path, seed: int) -> dict:
+    from training_core.train import train
+
+    run_dir = out_root / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    link = run_dir / "initial_model"
+    if not link.exists():
+        link.symlink_to(initial.resolve())
+    spec = load_spec(None, [
+        f"name={name}", f"seed={seed}", f"run_dir={run_dir}", "model.path=tiny", TASK,
+        "rollout.max_new_tokens=40", "rollout.group_size=8", "rollout.max_concurrent=64",
+        f"rollout.max_staleness={staleness}", "trainer.batch_groups=8", "trainer.lr=1e-4",
+        f"trainer.steps={steps}", "eval.every=0", "checkpoint.every=0",
+    ])
+    result = train(spec, progress=False)
+    rows = [r for r in read_metrics(run_dir) if r["step"] > 0]
+    # Wall time of the training loop itself (from the first batch to the last step), the same
+    # measure on both sides: server start-up and DeepSpeed init are excluded.
+    wall = sum(r["time/step_s"] for r in rows)
+    tokens = sum(r["tokens/consumed"] for r in rows)
+    tail = rows[-max(3, len(rows) // 4):]
+    return {
+        "max_staleness": staleness,
+        "steps": len(rows),
+        "wall_s": wall,
+        "effective_tokens_per_s": tokens / wall,
+        "consumed_tokens": tokens,
+        "final_reward": statistics.fmean(r["reward/mean"] for r in tail),
+        "first_reward": statistics.fmean(r["reward/mean"] for r in rows[: max(3, len(rows) // 4)]),
+        "mean_staleness": statistics.fmean(r["staleness/mean"] for r in rows),
+        "max_staleness_seen": max(r["staleness/max"] for r in rows),
+        "mean_generation_wait_s": statistics.fmean(r["time/generation_wait_s"] for r in rows),
+        "mean_weight_sync_pause_s": statistics.fmean(r["time/weight_sync_pause_s"] for r in rows),
+        "response_length_mean": statistics.fmean(r["response_length/mean"] for r in rows),
+        "response_length_max": max(r["response_length/max"] for r in rows),
+        "total_run_s": result.wall_s,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer steps (< 5 min on 2 cores)")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--staleness", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--out", default="bench-results/async_vs_sync.json")
+    parser.add_argument("--work-dir", default=None)
+    args = parser.parse_args()
+    steps = args.steps or (25 if args.quick else 80)
+    work = Path(args.work_dir or f"runs/bench-async-vs-sync-{time.strftime('%Y%m%d-%H%M%S')}")
+    work.mkdir(parents=True, exist_ok=True)
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    from training_core.sft import sft
+
+    # One warm start shared by both sides, so they begin from identical weights.
+    print("warm start (shared by both sides) ...", flush=True)
+    base = load_spec(None, ["model.path=tiny", TASK, f"seed={args.seed}"])
+    initial = sft(base, work / "initial_model", steps=10_000, seconds=20 if args.quick else 45,
+                  progress=False)
+    results = {}
+    for name, staleness in (("sync", 0), ("async", args.staleness)):
+        print(f"{name}: max_staleness={staleness}, {steps} steps ...", flush=True)
+        results[name] = side(name, staleness, steps, initial, work, args.seed)
+        print(json.dumps(results[name], indent=1), flush=True)
+    out = {
+        **results,
+        "speedup": results["sync"]["wall_s"] / results["async"]["wall_s"],
+        "throughput_ratio": results["async"]["effective_tokens_per_s"]
+        / results["sync"]["effective_tokens_per_s"],
+        "reward_delta": results["async"]["final_reward"] - results["sync"]["final_reward"],
+        "config": {"steps": steps, "quick": args.quick, "seed": args.seed, "task": TASK,
+                   "batch_groups": 8, "group_size": 8},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version()},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"speedup {out['speedup']:.2f}x  (sync {results['sync']['wall_s']:.1f}s, "
+          f"async {results['async']['wall_s']:.1f}s); final reward sync "
+          f"{results['sync']['final_reward']:.3f} vs async {results['async']['final_reward']:.3f}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Make sure the services the tests talk to run on 127.0.0.1: PostgreSQL (trust auth for
+# 127.0.0.1, user postgres), Redis, and Chromium for browser tests. Installs from Debian's
+# packages when missing. `services.sh up` records what it started; `services.sh down` stops it.
+set -euo pipefail
+STATE=${OOLONG_SERVICES_STATE:-/tmp/oolong-services-started}
+APT_UPDATED=0
+
+apt_install() {
+  if [ "$APT_UPDATED" = 0 ]; then apt-get update -qq; APT_UPDATED=1; fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+pg_up() {
+  if pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then return; fi
+  if ! ls /etc/postgresql/*/main >/dev/null 2>&1; then
+    echo "services: installing PostgreSQL"; apt_install postgresql
+  fi
+  local ver; ver=$(ls /etc/postgresql | sort -V | tail -1)
+  local hba=/etc/postgresql/$ver/main/pg_hba.conf
+  if ! grep -q "oolong-trust" "$hba"; then
+    # Tests connect as postgres over TCP without a password (as on the dev machines).
+    sed -i '1i host all all 127.0.0.1/32 trust # oolong-trust\nhost all all ::1/128 trust # oolong-trust' "$hba"
+  fi
+  echo "services: starting PostgreSQL $ver"
+  pg_ctlcluster --skip-systemctl-redirect "$ver" main start
+  echo "pg $ver" >> "$STATE"
+  for _ in $(seq 60); do pg_isready -q -h 127.0.0.1 && return; sleep 0.5; done
+  echo "services: PostgreSQL did not come up" >&2; exit 1
+}
+
+redis_up() {
+  if redis-cli -h 127.0.0.1 ping >/dev/null 2>&1; then return; fi
+  command -v redis-server >/dev/null || { echo "services: installing Redis"; apt_install redis-server; }
+  mkdir -p /var/lib/redis /var/log/redis
+  echo "services: starting Redis"
+  redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+    --dir /var/lib/redis --logfile /var/log/redis/ci.log
+  echo "redis" >> "$STATE"
+  for _ in $(seq 40); do redis-cli -h 127.0.0.1 ping >/dev/null 2>&1 && return; sleep 0.25; done
+  echo "services: Redis did not come up" >&2; exit 1
+}
+
+chromium_up() {
+  command -v chromium >/dev/null && return
+  echo "services: installing Chromium (browser tests)"; apt_install chromium
+}
+
+down() {
+  [ -f "$STATE" ] || return 0
+  while read -r what ver; do
+    case "$what" in
+      pg) pg_ctlcluster --skip-systemctl-redirect "$ver" main stop || true ;;
+      redis) redis-cli -h 127.0.0.1 shutdown nosave >/dev/null 2>&1 || true ;;
+    esac
+  done < "$STATE"
+  rm -f "$STATE"
+}
+
+case "${1:-up}" in
+  up) rm -f "$STATE"; pg_up; redis_up; chromium_up ;;
+  down) down ;;
+  *) echo "usage: $0 up|down" >&2; exit 2 ;;
+esac

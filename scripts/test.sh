@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The whole test suite against real services. Called by `make test` (and so by .ci/run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false DS_ACCELERATOR=cpu HF_HUB_OFFLINE=1
+export OOLONG_CACHE=${OOLONG_CACHE:-$PWD/.cache/oolong}
+export DATABASE_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
+export CELERY_BROKER_URL=${CELERY_BROKER_URL:-redis://127.0.0.1:6379/0}
+export PREFECT_HOME=${PREFECT_HOME:-$PWD/.cache/prefect}
+bash scripts/services.sh up
+trap 'bash scripts/services.sh down' EXIT
+mkdir -p test-artifacts
+set +e
+.venv/bin/python -m pytest -p no:cacheprovider "$@"
+rc=$?
+set -e
+if [ "$rc" = 5 ]; then echo "no tests were collected" >&2; exit 1; fi
+exit $rc

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from training_core.launch import Fleet, embedded_server_command, free_port
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """A fresh (untrained) tiny Llama + character tokenizer, built locally and cached."""
+    from training_core.models.loading import resolve_model_dir
+
+    return resolve_model_dir("tiny")
+
+
+def start_server(model_dir: Path, log_path: Path, seed: int = 0) -> tuple[Fleet, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        embedded_server_command(str(model_dir), port, seed=seed, parent_pid=os.getpid()),
+        stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    fleet = Fleet(urls=[url], processes=[proc], logs=[log_path])
+    fleet.wait_healthy(120)
+    return fleet, url
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    fleet, url = start_server(tiny_model_dir, tmp_path_factory.mktemp("server") / "server.log")
+    yield url
+    fleet.stop()
+
+
+def generate(url: str, input_ids, **sampling) -> dict:
+    sampling.setdefault("max_new_tokens", 16)
+    resp = httpx.post(url + "/generate", json={"input_ids": input_ids, "sampling_params": sampling,
+                                              "return_logprob": True}, timeout=120)
+    resp.raise_for_status()
+    return resp.json()

@@ -1,0 +1,17 @@
+"""Custom rewards loaded by import path in tests (they run in the reward worker processes)."""
+
+import time
+
+
+def length_reward(completion: str, item: dict) -> float:
+    """Varies between samples of one prompt, so even an untrained model gets advantages."""
+    return len(completion) / 10.0
+
+
+def raises(completion: str, item: dict) -> float:
+    raise RuntimeError("user reward bug")
+
+
+def sleeps(completion: str, item: dict) -> float:
+    time.sleep(60)
+    return 1.0

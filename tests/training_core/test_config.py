@@ -1,0 +1,52 @@
+import pytest
+
+from training_core.config import RunSpec, SpecError, dump_spec, load_spec, parse_overrides
+
+
+def test_defaults_are_valid():
+    spec = RunSpec()
+    assert spec.rollout.max_staleness == 1 and spec.algorithm.preset == "grpo"
+
+
+def test_yaml_plus_dotted_overrides(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("name: x\ntrainer:\n  lr: 0.01\n  steps: 5\n")
+    spec = load_spec(f, ["trainer.lr=1e-5", "rollout.max_staleness=0", "data.options.max_value=9"])
+    assert spec.trainer.lr == 1e-5 and spec.trainer.steps == 5
+    assert spec.rollout.max_staleness == 0 and spec.data.options == {"max_value": 9}
+
+
+def test_unknown_key_names_the_key_and_suggests():
+    with pytest.raises(SpecError) as err:
+        load_spec(None, ["trainer.lrr=1"])
+    assert "trainer.lrr" in err.value.errors
+    assert "trainer.lr" in str(err.value) and "Allowed here" in str(err.value)
+
+
+def test_bad_literal_lists_allowed_values():
+    with pytest.raises(SpecError) as err:
+        load_spec(None, ["algorithm.preset=ppo2"])
+    msg = err.value.errors["algorithm.preset"]
+    assert "grpo" in msg and "dapo" in msg and "ppo2" in msg
+
+
+def test_bad_number_names_the_field():
+    with pytest.raises(SpecError) as err:
+        load_spec(None, ["rollout.max_staleness=-1"])
+    assert "rollout.max_staleness" in err.value.errors
+
+
+def test_unknown_data_kind():
+    with pytest.raises(SpecError, match="source kind"):
+        load_spec(None, ["data.source=ftp:x"])
+
+
+def test_override_syntax_error():
+    with pytest.raises(SpecError):
+        parse_overrides(["trainer.lr"])
+
+
+def test_resolved_spec_round_trips(tmp_path):
+    spec = load_spec(None, ["name=rt", "rollout.group_size=3"])
+    dump_spec(spec, tmp_path / "spec.yaml")
+    assert load_spec(tmp_path / "spec.yaml") == spec

@@ -1,0 +1,191 @@
+"""Protocol tests of the embedded rollout server over real HTTP (SGLang's native API)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from tests.training_core.conftest import generate
+from training_core.api import GenerationRequest, SamplingParams
+from training_core.engines.deepspeed_trainer import sequence_logprobs
+from training_core.engines.rollout_client import RolloutClient
+from training_core.models.loading import load_model, load_tokenizer
+
+
+def test_health_and_model_info(server):
+    assert httpx.get(server + "/health").status_code == 200
+    info = httpx.get(server + "/get_model_info").json()
+    assert info["is_generation"] is True and "weight_version" in info
+
+
+def test_generate_returns_sglang_shaped_response(server):
+    out = generate(server, [10, 11, 12], max_new_tokens=8, ignore_eos=True)
+    meta = out["meta_info"]
+    assert len(out["output_ids"]) == 8
+    assert meta["finish_reason"]["type"] == "length"
+    assert len(meta["output_token_logprobs"]) == 8
+    lp, tok, _ = meta["output_token_logprobs"][0]
+    assert tok == out["output_ids"][0] and lp <= 0.0
+    assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 8
+
+
+def test_bad_request_is_a_clear_400(server):
+    resp = httpx.post(server + "/generate", json={"sampling_params": {}})
+    assert resp.status_code == 400 and "input_ids" in resp.text
+
+
+def test_logprobs_match_a_full_forward_pass(server, tiny_model_dir):
+    prompt = [20, 21, 22, 23]
+    out = generate(server, prompt, max_new_tokens=12, temperature=1.0, ignore_eos=True)
+    ids = torch.tensor([prompt + out["output_ids"]])
+    model = load_model(tiny_model_dir).eval()
+    with torch.no_grad():
+        ref = sequence_logprobs(model, ids, torch.ones_like(ids), 1.0)[0, len(prompt):]
+    got = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, ref, atol=1e-4)
+
+
+def test_continuous_batching_gives_the_same_greedy_outputs(server):
+    """Requests that join a running batch at different times (different prompt lengths and
+    budgets) decode exactly as they would alone."""
+    prompts = [[5 + i] * (3 + 2 * i) for i in range(8)]
+    alone = [generate(server, p, max_new_tokens=10 + i, temperature=0.0, ignore_eos=True)["output_ids"]
+             for i, p in enumerate(prompts)]
+
+    def staggered(i):
+        time.sleep(0.005 * i)
+        return generate(server, prompts[i], max_new_tokens=10 + i, temperature=0.0,
+                        ignore_eos=True)["output_ids"]
+
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(staggered, range(8)))
+    assert together == alone
+
+
+def _wait_generating(url: str, min_tokens: int) -> None:
+    start = httpx.get(url + "/get_server_info").json()["tokens_generated"]
+    deadline = time.time() + 30
+    while httpx.get(url + "/get_server_info").json()["tokens_generated"] < start + min_tokens:
+        assert time.time() < deadline, "server did not start generating"
+        time.sleep(0.005)
+
+
+def test_pause_aborts_in_flight_with_partial_output_and_continue_resumes(server):
+    result = {}
+    t = threading.Thread(target=lambda: result.update(
+        generate(server, [7, 8, 9], max_new_tokens=400, ignore_eos=True)))
+    t.start()
+    _wait_generating(server, 10)
+    assert httpx.post(server + "/pause_generation", json={"mode": "abort"}).json()["success"]
+    t.join(30)
+    assert result["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(result["output_ids"]) < 400
+    assert len(result["meta_info"]["output_token_logprobs"]) == len(result["output_ids"])
+
+    # While paused, a new request waits; after continue it completes.
+    late = {}
+    t2 = threading.Thread(target=lambda: late.update(generate(server, [7], max_new_tokens=5,
+                                                                ignore_eos=True)))
+    t2.start()
+    time.sleep(0.5)
+    assert not late, "a request must not run while generation is paused"
+    httpx.post(server + "/continue_generation")
+    t2.join(30)
+    assert late["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def _perturbed_weights(model_dir, out_dir, seed=123):
+    from safetensors.torch import save_file
+
+    model = load_model(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    state = {k: (v + 0.5 * torch.randn(v.shape, generator=g)).contiguous()
+             for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out_dir / "model.safetensors"))
+    return out_dir
+
+
+def test_weight_update_changes_outputs_and_version(tiny_model_dir, tmp_path):
+    from tests.training_core.conftest import start_server
+
+    fleet, url = start_server(tiny_model_dir, tmp_path / "s.log")
+    try:
+        before = generate(url, [30, 31, 32], max_new_tokens=12, temperature=0.0, ignore_eos=True)
+        path = _perturbed_weights(tiny_model_dir, tmp_path / "v1")
+        r = httpx.post(url + "/update_weights_from_disk",
+                       json={"model_path": str(path), "weight_version": "1"}, timeout=60).json()
+        assert r["success"], r
+        after = generate(url, [30, 31, 32], max_new_tokens=12, temperature=0.0, ignore_eos=True)
+        assert after["output_ids"] != before["output_ids"]
+        assert after["meta_info"]["weight_version"] == "1"
+        assert httpx.get(url + "/get_weight_version").json()["weight_version"] == "1"
+        bad = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(tmp_path)})
+        assert bad.status_code == 400 and "safetensors" in bad.text
+    finally:
+        fleet.stop()
+
+
+def test_client_resubmits_interrupted_requests_across_versions(tiny_model_dir, tmp_path):
+    """A long generation spans a weight update: the client re-submits with the partial output,
+    the result has the full length, and each token carries the version that produced it."""
+    from tests.training_core.conftest import start_server
+
+    fleet, url = start_server(tiny_model_dir, tmp_path / "s.log")
+    path = _perturbed_weights(tiny_model_dir, tmp_path / "v1")
+
+    async def scenario():
+        client = RolloutClient([url])
+        task = asyncio.create_task(client.agenerate_group(GenerationRequest(
+            [40, 41], SamplingParams(max_new_tokens=300, ignore_eos=True)), 3))
+        await asyncio.to_thread(_wait_generating, url, 10)
+        await client.pause()
+        await client.update_weights_from_disk(str(path), 1)
+        await client.resume()
+        resp = await task
+        await client.aclose()
+        return resp
+
+    try:
+        responses = asyncio.run(scenario())
+    finally:
+        fleet.stop()
+    assert len(responses) == 3
+    for resp in responses:
+        assert len(resp.output_ids) == 300 and resp.finish_reason == "length"
+        assert resp.interruptions >= 1
+        assert resp.output_versions[0] == 0 and resp.output_versions[-1] == 1
+        assert resp.output_versions == sorted(resp.output_versions)
+        assert len(resp.output_logprobs) == 300
+
+
+@pytest.mark.parametrize("n_servers", [2])
+def test_client_routes_over_several_servers_and_survives_one_dying(tiny_model_dir, tmp_path, n_servers):
+    from tests.training_core.conftest import start_server
+
+    fleets = [start_server(tiny_model_dir, tmp_path / f"s{i}.log") for i in range(n_servers)]
+    urls = [u for _, u in fleets]
+
+    async def run(n):
+        client = RolloutClient(urls, retries=3, cooldown_s=5)
+        out = await asyncio.gather(*[client.agenerate(GenerationRequest(
+            [50], SamplingParams(max_new_tokens=4, ignore_eos=True))) for _ in range(n)])
+        await client.aclose()
+        return out
+
+    try:
+        asyncio.run(run(8))
+        served = [httpx.get(u + "/get_server_info").json()["tokens_generated"] for u in urls]
+        assert all(s > 0 for s in served), f"least-in-flight routing used only some servers: {served}"
+        fleets[0][0].stop()  # one server dies: requests retry on the other
+        out = asyncio.run(run(4))
+        assert all(len(r.output_ids) == 4 for r in out)
+    finally:
+        for f, _ in fleets:
+            f.stop()

@@ -1,0 +1,110 @@
+"""End to end on CPU: embedded rollout servers + DeepSpeed trainer + the async loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.training_core.conftest import start_server
+from training_core.config import load_spec
+from training_core.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SMALL = [
+    "model.path=tiny", "data.options={max_value: 9}", "rollout.group_size=2",
+    "rollout.max_new_tokens=6", "rollout.max_concurrent=8", "trainer.batch_groups=2",
+    "trainer.lr=1e-3", "eval.size=4", "reward.executor=process",
+    "reward.fn=tests.training_core.rewards_for_tests:length_reward",
+]
+
+
+@pytest.mark.slow
+def test_async_steps_versions_staleness_and_weights_reach_the_server(tiny_model_dir, tmp_path):
+    from training_core.train import train
+
+    fleet, url = start_server(tiny_model_dir, tmp_path / "server.log")
+    try:
+        spec = load_spec(None, SMALL + [
+            f"run_dir={tmp_path / 'run'}", f"rollout.server_urls=[{url}]", "trainer.steps=4",
+            "rollout.max_staleness=1", "rollout.max_token_staleness=1", "checkpoint.every=2",
+            "eval.every=2"])
+        result = train(spec, progress=False)
+        info = httpx.get(url + "/get_model_info").json()
+    finally:
+        fleet.stop()
+
+    rows = read_metrics(result.run_dir)
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [r["version"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["staleness/max"] <= 1 for r in steps)
+    assert all(r["tokens/consumed"] > 0 and r["grad_norm"] > 0 for r in steps)
+    assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]
+    # The last weights reached the server, tagged with their version.
+    assert info["weight_version"] == "4"
+    assert Path(info["model_path"]).name == "v4"
+    assert (result.run_dir / "checkpoints" / "step4" / "COMPLETE").exists()
+    assert load_spec(result.run_dir / "spec.yaml").trainer.steps == 4
+    kinds = [json.loads(line)["kind"] for line in (result.run_dir / "events.jsonl").open()]
+    assert kinds[0] == "started" and kinds[-1] == "finished"
+
+
+def _train_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "training_core.cli", "train", "--no-progress", *args]
+
+
+def _server_pids(run_dir: Path) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"embedded_server.*{run_dir}"], capture_output=True,
+                         text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume_repeats_and_skips_no_step(tmp_path):
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"name": "resume"}))
+    overrides = SMALL + [f"run_dir={run_dir}", "trainer.steps=30", "checkpoint.every=1",
+                         "eval.every=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(_train_cmd("--config", str(config), *overrides), cwd=ROOT, env=env,
+                            stdout=(tmp_path / "first.log").open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 240
+    while True:
+        rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+        if any(r["step"] >= 3 for r in rows):
+            break
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        assert time.time() < deadline, "the run did not reach step 3"
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = max(r["step"] for r in read_metrics(run_dir))
+    assert killed_at < 30
+
+    # Its rollout servers notice and exit: no orphans.
+    deadline = time.time() + 15
+    while _server_pids(run_dir) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _server_pids(run_dir)
+
+    out = subprocess.run(_train_cmd("--resume", str(run_dir)), cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    assert steps == list(range(1, 31)), f"each step exactly once, got {steps}"
+    assert [r["version"] for r in read_metrics(run_dir)] == list(range(1, 31))
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").open()]
+    resumed = [e for e in events if e["kind"] == "resumed"]
+    assert resumed and resumed[0]["step"] >= killed_at - 1

@@ -1,0 +1,1 @@
+"""Algorithms as pure tensor functions; presets are data (see presets.py)."""

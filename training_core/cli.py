@@ -1,0 +1,124 @@
+"""``oolong``: train, resume, warm-start and serve from a terminal.
+
+    oolong train --config run.yaml trainer.lr=1e-5 rollout.max_staleness=2
+    oolong train --resume runs/demo-20261122-101500
+    oolong sft --config run.yaml --out runs/demo/initial_model --seconds 30
+    oolong serve --model-path DIR --port 30000      # the embedded rollout server
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _spec(args: argparse.Namespace):
+    from training_core.config import SpecError, load_spec
+
+    try:
+        return load_spec(args.config, args.overrides)
+    except SpecError as exc:
+        print(exc, file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from training_core.config import load_spec
+    from training_core.train import train
+
+    if args.resume:
+        spec_path = Path(args.resume) / "spec.yaml"
+        if not spec_path.exists():
+            print(f"--resume {args.resume}: no spec.yaml there (is it a run directory?)",
+                  file=sys.stderr)
+            return 2
+        spec = load_spec(spec_path, args.overrides)
+        result = train(spec, resume_dir=args.resume, progress=not args.no_progress)
+    else:
+        spec = _spec(args)
+        result = train(spec, progress=not args.no_progress)
+    print(f"run directory: {result.run_dir}")
+    if result.first_eval and result.last_eval:
+        print(f"greedy eval accuracy: {result.first_eval['eval/accuracy']:.1%} -> "
+              f"{result.last_eval['eval/accuracy']:.1%}")
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from training_core.sft import sft
+
+    out = sft(_spec(args), args.out, steps=args.steps, seconds=args.seconds,
+              progress=not args.no_progress)
+    print(f"warm-started model: {out}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from training_core.engines.embedded_server import main as serve_main
+
+    serve_main(args.server_args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="oolong", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="run asynchronous RL on this machine")
+    t.add_argument("--config", help="run spec YAML")
+    t.add_argument("--resume", help="continue the run in this run directory")
+    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
+    t.set_defaults(fn=cmd_train)
+    s = sub.add_parser("sft", help="supervised warm start on the task's rows")
+    s.add_argument("--config")
+    s.add_argument("--out", required=True, help="folder for the warm-started model")
+    s.add_argument("--steps", type=int, default=300)
+    s.add_argument("--seconds", type=float, default=None)
+    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("overrides", nargs="*")
+    s.set_defaults(fn=cmd_sft)
+    v = sub.add_parser("serve", help="the embedded rollout server (SGLang API)")
+    v.add_argument("server_args", nargs=argparse.REMAINDER)
+    v.set_defaults(fn=cmd_serve)
+    try:  # the web app adds `oolong runs ...` when it is installed
+        from training_core.cli_plugins import add_plugins
+
+        add_plugins(sub)
+    except ImportError:
+        pass
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_libraries()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

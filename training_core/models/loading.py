@@ -1,0 +1,52 @@
+"""Resolve the spec's model path to a Hugging Face folder and load model + tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from training_core.models.smollm2 import cache_root, ensure_smollm2
+from training_core.models.tiny import save_tiny
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_dir(path: str, *, hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4) -> Path:
+    """``tiny`` -> a cached fresh tiny model; ``smollm2`` -> converted GGUF; else a local folder."""
+    if path == "tiny":
+        key = hashlib.sha1(json.dumps([hidden_size, num_layers, num_heads]).encode()).hexdigest()[:10]
+        out = cache_root() / "models" / f"tiny-{key}"
+        if not (out / "config.json").exists():
+            tmp = out.with_name(out.name + f".tmp{id(out)}")
+            save_tiny(tmp, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads)
+            try:
+                tmp.rename(out)
+            except OSError:  # another process won the race: theirs is identical
+                pass
+        return out
+    if path == "smollm2":
+        return ensure_smollm2()
+    folder = Path(path)
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(
+            f"model.path {path!r} is not 'tiny', 'smollm2' or a local Hugging Face folder "
+            "(no config.json there)"
+        )
+    return folder
+
+
+def load_model(folder: str | Path, dtype: str = "float32") -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype])
+    model.config.use_cache = True
+    return model
+
+
+def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase:
+    tok = AutoTokenizer.from_pretrained(folder)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok

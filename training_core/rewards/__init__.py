@@ -1,0 +1,1 @@
+"""Reward functions: built-ins, user functions by import path, and where they run."""

@@ -1,0 +1,92 @@
+"""Admission control: how many new episodes may start without breaking the staleness bound.
+
+Counters are in prompt groups. With B groups per batch, max staleness eta, at most M episodes
+in flight, ``accepted`` groups accepted since the start and ``running`` in flight, a new episode
+may start only while
+
+    capacity = min(M - running, (eta + v + 1) * B - (accepted + running)) > 0
+
+Why it works: the batch consumed at version v is made of groups number v*B .. (v+1)*B - 1 (in
+acceptance order, oldest first). A group started while the policy is at version u gets a number
+below (eta + u + 1) * B, so it is consumed at some version <= eta + u: its data are at most eta
+versions old. With eta = 0 no group for batch v+1 can start before version v+1 exists, which is
+synchronous RL.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StalenessStats:
+    submitted: int
+    accepted: int
+    rejected: int
+    running: int
+
+
+class StalenessManager:
+    """Thread-safe counters with callbacks. No model, no I/O: unit-testable in isolation."""
+
+    def __init__(self, *, batch_groups: int, max_staleness: int, max_concurrent: int):
+        if batch_groups < 1 or max_concurrent < 1 or max_staleness < 0:
+            raise ValueError("batch_groups and max_concurrent must be >= 1, max_staleness >= 0")
+        self.batch_groups = batch_groups
+        self.max_staleness = max_staleness
+        self.max_concurrent = max_concurrent
+        self._lock = threading.Lock()
+        self._submitted = 0
+        self._accepted = 0
+        self._rejected = 0
+        self._running = 0
+        self._listeners: list[Callable[[str], None]] = []
+
+    def add_listener(self, fn: Callable[[str], None]) -> None:
+        """``fn(event)`` is called after each of submitted/accepted/rejected/recovered."""
+        self._listeners.append(fn)
+
+    def _emit(self, event: str) -> None:
+        for fn in self._listeners:
+            fn(event)
+
+    def capacity(self, version: int) -> int:
+        with self._lock:
+            by_concurrency = self.max_concurrent - self._running
+            by_staleness = (self.max_staleness + version + 1) * self.batch_groups - (
+                self._accepted + self._running
+            )
+            return min(by_concurrency, by_staleness)
+
+    def on_submitted(self) -> None:
+        with self._lock:
+            self._submitted += 1
+            self._running += 1
+        self._emit("submitted")
+
+    def on_accepted(self) -> None:
+        with self._lock:
+            self._running -= 1
+            self._accepted += 1
+        self._emit("accepted")
+
+    def on_rejected(self) -> None:
+        # A rejected episode (workflow returned None, dynamic filter) frees its slot and does
+        # not count towards a batch, so another episode can take its place.
+        with self._lock:
+            self._running -= 1
+            self._rejected += 1
+        self._emit("rejected")
+
+    def recover(self, version: int) -> None:
+        """On resume at version v, v*B groups have been consumed: restore that as accepted."""
+        with self._lock:
+            self._accepted = version * self.batch_groups
+            self._running = 0
+        self._emit("recovered")
+
+    def stats(self) -> StalenessStats:
+        with self._lock:
+            return StalenessStats(self._submitted, self._accepted, self._rejected, self._running)

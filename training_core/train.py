@@ -1,0 +1,335 @@
+"""The asynchronous RL training loop. Read it top to bottom.
+
+Rollout servers generate all the time (the executor's thread keeps episodes in flight within the
+staleness bound); this loop only consumes. Per step:
+
+    wait for a batch -> recompute proximal logprobs -> advantages -> update -> export weights
+    -> PAUSE generation -> servers load the new weights -> bump version -> RESUME
+    -> checkpoint / eval / log (generation already running again)
+
+Generation pauses only for the weight load itself: exporting the weights happens before the pause
+and checkpointing, evaluation and logging after the resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import shutil
+import statistics
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from training_core.algorithms.loss import decoupled_ppo_loss
+from training_core.algorithms.presets import AlgorithmConfig, resolve_algorithm
+from training_core.api import GenerationRequest, MetricsSink, SamplingParams
+from training_core.batching import build_train_batch
+from training_core.checkpoint import checkpoint_dir, latest_checkpoint, prune_checkpoints
+from training_core.config import RunSpec, dump_spec
+from training_core.data.datasets import PromptLoader, load_data
+from training_core.engines.deepspeed_trainer import DeepSpeedTrainer
+from training_core.engines.rollout_client import RolloutClient
+from training_core.launch import Fleet, start_embedded_fleet
+from training_core.metrics import JsonlSink, MultiSink, truncate_metrics
+from training_core.models.loading import load_tokenizer, resolve_model_dir
+from training_core.rewards.pool import RewardPool
+from training_core.rollout import RolloutExecutor
+from training_core.staleness import StalenessManager
+from training_core.workflows.base import WorkflowContext, load_workflow
+
+log = logging.getLogger("oolong.train")
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    final_version: int
+    last_step: int
+    first_eval: dict[str, float] | None
+    last_eval: dict[str, float] | None
+    wall_s: float
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.t: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.t[name] += time.perf_counter() - start
+
+    def pop(self) -> dict[str, float]:
+        out, self.t = dict(self.t), defaultdict(float)
+        return {f"time/{k}_s": v for k, v in out.items()}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def default_run_dir(spec: RunSpec) -> Path:
+    return Path(spec.run_dir or Path("runs") / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+async def evaluate(client: RolloutClient, ctx: WorkflowContext, rows: list[dict[str, Any]],
+                   max_new_tokens: int) -> dict[str, float]:
+    """Greedy accuracy on held-out rows, through the same servers (runs beside training)."""
+    if not rows:
+        return {}
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
+
+    async def one(item: dict[str, Any]) -> float:
+        resp = await client.agenerate(GenerationRequest(ctx.render_prompt(item), greedy))
+        return (await ctx.rewards.score(ctx.decode(resp.output_ids), item)).reward
+
+    rewards = await asyncio.gather(*[one(r) for r in rows])
+    return {"eval/accuracy": sum(r >= 1.0 - 1e-6 for r in rewards) / len(rewards),
+            "eval/reward": sum(rewards) / len(rewards)}
+
+
+def make_sinks(spec: RunSpec, run_dir: Path) -> MetricsSink:
+    sinks: list[Any] = [JsonlSink(run_dir)]
+    if "http" in spec.metrics.sinks:
+        from training_core.tracking_sink import HttpSink
+
+        sinks.append(HttpSink(spec.metrics.tracker_url, spec.metrics.tracker_token,
+                              spool_dir=run_dir / "spool"))
+    return MultiSink(sinks)
+
+
+def batch_metrics(groups, version: int, algo: AlgorithmConfig) -> dict[str, float]:
+    samples = [s for g in groups for s in g.samples]
+    rewards = [s.reward for s in samples]
+    lengths = [s.num_output_tokens for s in samples]
+    lags = [version - v for s in samples for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
+    return {
+        "reward/mean": statistics.fmean(rewards),
+        "reward/std": statistics.pstdev(rewards),
+        "reward/accuracy": sum(r >= 1.0 - 1e-6 for r in rewards) / len(rewards),
+        "response_length/mean": statistics.fmean(lengths),
+        "response_length/max": max(lengths),
+        "staleness/mean": statistics.fmean(lags) if lags else 0.0,
+        "staleness/max": max(lags) if lags else 0.0,
+        "rollout/interruptions": sum(s.info.get("interruptions", 0) for s in samples),
+        "rollout/truncated_frac": sum(s.truncated for s in samples) / len(samples),
+        "reward/errors": sum(1 for s in samples if s.info.get("reward_error")),
+    }
+
+
+def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool = True,
+          sink: MetricsSink | None = None) -> RunResult:
+    wall_start = time.perf_counter()
+    run_dir = Path(resume_dir) if resume_dir else default_run_dir(spec)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_spec(spec, run_dir / "spec.yaml")
+    torch.set_num_threads(spec.trainer.threads)
+    seed_everything(spec.seed)
+
+    # ---- parts: model, data, algorithm, rollout servers, trainer --------------------------------
+    model_dir = resolve_model_dir(spec.model.path, hidden_size=spec.model.hidden_size,
+                                  num_layers=spec.model.num_layers, num_heads=spec.model.num_heads)
+    initial = run_dir / "initial_model"  # `oolong sft` may have warm-started the run dir
+    if (initial / "config.json").exists():
+        model_dir = initial
+    tokenizer = load_tokenizer(model_dir)
+    data = load_data(spec.data, spec.seed)
+    algo = resolve_algorithm(spec.algorithm.preset, **spec.algorithm.model_dump(exclude={"preset"}))
+    B = spec.trainer.batch_groups
+
+    fleet: Fleet | None = None
+    if spec.rollout.server_urls:
+        urls = list(spec.rollout.server_urls)
+    else:
+        fleet = start_embedded_fleet(str(model_dir), spec.rollout.num_servers, run_dir / "logs",
+                                     threads=spec.rollout.server_threads,
+                                     max_batch_size=spec.rollout.max_batch_size, seed=spec.seed)
+        urls = fleet.urls
+    client = RolloutClient(urls, timeout_s=spec.rollout.request_timeout_s)
+    trainer = DeepSpeedTrainer(
+        model_dir, lr=spec.trainer.lr, weight_decay=spec.trainer.weight_decay,
+        grad_clip=spec.trainer.grad_clip, zero_stage=spec.trainer.zero_stage,
+        dtype=spec.model.dtype, dist_backend=spec.trainer.dist_backend,
+        temperature=spec.rollout.temperature, micro_batch_tokens=spec.trainer.micro_batch_tokens,
+        keep_reference=algo.kl_coef > 0)
+    staleness = StalenessManager(batch_groups=B, max_staleness=spec.rollout.max_staleness,
+                                 max_concurrent=spec.rollout.max_concurrent)
+    loader = PromptLoader(data.train, spec.seed)
+    sink = sink or make_sinks(spec, run_dir)
+    weights_root = run_dir / "weights"
+
+    # ---- resume: version, step, data position, RNG, staleness counters -------------------------
+    version, first_step = 0, 1
+    found = latest_checkpoint(run_dir) if resume_dir else None
+    if found:
+        state = trainer.load_checkpoint(checkpoint_dir(run_dir), found[1])
+        version, first_step = state["version"], state["step"] + 1
+        loader.position = state["loader_position"]
+        staleness.recover(version)
+        dropped = truncate_metrics(run_dir, state["step"])
+        path = trainer.save_weights(weights_root / f"v{version}")
+        asyncio.run(_push_weights(client, path, version, close=True))
+        sink.event("resumed", f"resumed from {found[1]} at version {version}",
+                   step=state["step"], discarded_metric_lines=dropped)
+    elif resume_dir:
+        truncate_metrics(run_dir, 0)
+        sink.event("resumed", "no complete checkpoint; starting from step 1")
+    client.set_version(version)
+    # Control calls (pause, weight load, resume) get their own event loop in this thread: the
+    # executor's loop is busy with hundreds of in-flight requests and would delay them.
+    control = asyncio.new_event_loop()
+
+    sampling = SamplingParams(max_new_tokens=spec.rollout.max_new_tokens,
+                              temperature=spec.rollout.temperature, top_p=spec.rollout.top_p,
+                              top_k=spec.rollout.top_k)
+    rewards = RewardPool(spec.reward.fn, workers=spec.reward.workers,
+                         timeout_s=spec.reward.timeout_s, executor=spec.reward.executor)
+    ctx = WorkflowContext(tokenizer=tokenizer, rewards=rewards, sampling=sampling,
+                          group_size=spec.rollout.group_size,
+                          prompt_template=spec.data.prompt_template,
+                          chat_template=spec.data.chat_template, max_turns=spec.rollout.max_turns,
+                          turn_discount=spec.rollout.turn_discount)
+    executor = RolloutExecutor(client, load_workflow(spec.rollout.workflow, ctx), loader, staleness,
+                               dynamic_filter=algo.dynamic_filter,
+                               max_token_staleness=spec.rollout.max_token_staleness)
+    eval_rows = data.eval[: spec.eval.size]
+    timers = Timers()
+    first_eval = last_eval = None
+    sink.event("started", f"run {spec.name} at version {version}", run_dir=str(run_dir))
+    executor.start()
+    bar = tqdm(total=spec.trainer.steps, initial=first_step - 1, disable=not progress,
+               desc=spec.name, unit="step", dynamic_ncols=True)
+    step = first_step - 1
+    try:
+        if spec.eval.every and eval_rows and first_step == 1:
+            first_eval = executor.run_coro(evaluate(client, ctx, eval_rows, spec.rollout.max_new_tokens))
+            sink.log(0, {**first_eval, "version": 0})
+
+        for step in range(first_step, spec.trainer.steps + 1):
+            step_start = time.perf_counter()
+
+            # 1. Take the oldest B finished groups (blocks only if generation is behind).
+            with timers("wait_rollout"):
+                batch = executor.prepare_batch(B, version)
+            metrics = batch_metrics(batch.groups, version, algo)
+
+            # 2. Tensors and advantages (group-normalised outcome rewards, per preset).
+            with timers("prepare"):
+                tb = build_train_batch(batch.groups, pad_id=tokenizer.pad_token_id, algo=algo,
+                                       max_new_tokens=spec.rollout.max_new_tokens)
+
+            # 3. Proximal logprobs: the policy right before this update, by a trainer forward.
+            with timers("proximal_logp"):
+                if algo.decoupled and spec.trainer.recompute_proximal:
+                    prox = trainer.logprobs(tb)
+                else:  # approximate pi_prox by the behaviour policy (w = 1)
+                    prox = tb.behav_logp.clone()
+                ref = trainer.logprobs(tb, trainer.reference) if trainer.reference is not None else None
+
+            # 4. Policy update: decoupled PPO, token mean over the global batch.
+            with timers("update"):
+                stats = trainer.train_step(
+                    tb, prox, lambda *a, **k: decoupled_ppo_loss(*a, cfg=algo, **k),
+                    minibatches=spec.trainer.ppo_minibatches, ref_logp=ref)
+
+            # 5. Export weights while generation keeps running ...
+            with timers("export_weights"):
+                path = trainer.save_weights(weights_root / f"v{version + 1}")
+
+            # 6. ... and pause it only for the load: in-flight requests abort and are re-submitted
+            #    with their partial output by the client once generation continues.
+            with timers("weight_sync_pause"):
+                control.run_until_complete(_push_weights(client, path, version + 1))
+            version += 1
+            executor.kick()  # the staleness bound just moved: start more episodes
+            _prune_weights(weights_root, keep_version=version)
+
+            # 7. Checkpoint, evaluate, log: generation is already running again.
+            if spec.checkpoint.every and step % spec.checkpoint.every == 0:
+                with timers("checkpoint"):
+                    trainer.save_checkpoint(checkpoint_dir(run_dir), f"step{step}", {
+                        "version": version, "step": step, "loader_position": loader.position})
+                    prune_checkpoints(run_dir, spec.checkpoint.keep)
+            if spec.eval.every and eval_rows and (step % spec.eval.every == 0
+                                                  or step == spec.trainer.steps):
+                with timers("eval"):
+                    last_eval = executor.run_coro(
+                        evaluate(client, ctx, eval_rows, spec.rollout.max_new_tokens))
+                metrics.update(last_eval)
+
+            tokens = stats["tokens"]
+            step_time = time.perf_counter() - step_start
+            metrics.update({
+                "loss": stats["loss"],
+                "clip_frac": stats["clipped"] / max(tokens, 1.0),
+                "behav_weight/mean": stats["behav_weight_sum"] / max(tokens, 1.0),
+                "behav_weight/max": stats["behav_weight_max"],
+                "behav_weight/masked_frac": stats["behav_masked"] / max(tokens, 1.0),
+                "kl": stats["kl_sum"] / max(tokens, 1.0),
+                "grad_norm": stats["grad_norm"],
+                "tokens/consumed": tokens,
+                "tokens_per_s": tokens / step_time,
+                "rollout/queue_depth": batch.queue_depth,
+                "rollout/rejected_groups": batch.rejected_groups,
+                "rollout/dropped_stale_samples": batch.dropped_stale_samples,
+                "rollout/running": staleness.stats().running,
+                "version": version,
+                "time/step_s": step_time,
+                "time/generation_wait_s": batch.wait_s,
+                "time/training_s": step_time - batch.wait_s,
+                **timers.pop(),
+            })
+            sink.log(step, metrics)
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", v=version,
+                            stale=f"{metrics['staleness/mean']:.2f}",
+                            tok_s=f"{metrics['tokens_per_s']:.0f}")
+        sink.event("finished", f"finished at step {step}, version {version}")
+    except BaseException as exc:
+        sink.event("failed", f"{type(exc).__name__}: {exc}", step=step)
+        raise
+    finally:
+        bar.close()
+        control.run_until_complete(client.aclose())
+        control.close()
+        executor.stop()
+        rewards.close()
+        sink.close()
+        if fleet is not None:
+            fleet.stop()
+    return RunResult(run_dir, version, step, first_eval, last_eval, time.perf_counter() - wall_start)
+
+
+async def _push_weights(client: RolloutClient, path: Path, version: int, close: bool = False) -> None:
+    await client.pause()
+    try:
+        await client.update_weights_from_disk(str(path.resolve()), version)
+    finally:
+        await client.resume()
+        if close:
+            await client.aclose()
+
+
+def _prune_weights(root: Path, keep_version: int) -> None:
+    # Keep the live version and the one before (a server may still be reading it).
+    for d in root.glob("v*"):
+        try:
+            v = int(d.name[1:])
+        except ValueError:
+            continue
+        if v < keep_version - 1:
+            shutil.rmtree(d, ignore_errors=True)

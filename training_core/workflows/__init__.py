@@ -1,0 +1,1 @@
+"""Workflows: one episode as one coroutine (``arun_episode(engine, item)``)."""

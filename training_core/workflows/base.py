@@ -1,0 +1,70 @@
+"""Shared pieces of workflows: prompt rendering, stitching trajectories, loading by path.
+
+To write a new task, implement the :class:`training_core.api.Workflow` Protocol in one file:
+
+    class MyWorkflow:
+        def __init__(self, ctx: WorkflowContext): ...
+        async def arun_episode(self, engine, item) -> TrajectoryGroup | None: ...
+
+and point ``rollout.workflow`` at ``my_package.my_module:MyWorkflow``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from training_core.api import PROMPT_VERSION, GenerationResponse, SamplingParams, Trajectory
+from training_core.rewards.pool import RewardPool
+
+
+@dataclass
+class WorkflowContext:
+    tokenizer: Any
+    rewards: RewardPool
+    sampling: SamplingParams
+    group_size: int
+    prompt_template: str = "{question}"
+    chat_template: bool = False
+    max_turns: int = 2
+    turn_discount: float = 0.9
+
+    def render_prompt(self, item: dict[str, Any]) -> list[int]:
+        text = self.prompt_template.format(**item)
+        if self.chat_template:
+            return list(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                return_dict=False))
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def single_turn_trajectory(resp: GenerationResponse, reward: float, **info: Any) -> Trajectory:
+    n_prompt, n_out = len(resp.input_ids), len(resp.output_ids)
+    return Trajectory(
+        input_ids=resp.input_ids + resp.output_ids,
+        loss_mask=[0] * n_prompt + [1] * n_out,
+        logprobs=[0.0] * n_prompt + resp.output_logprobs,
+        versions=[PROMPT_VERSION] * n_prompt + resp.output_versions,
+        reward=reward,
+        truncated=resp.finish_reason == "length",
+        info={"interruptions": resp.interruptions, **info},
+    )
+
+
+def load_workflow(name: str, ctx: WorkflowContext) -> Any:
+    if name == "rlvr":
+        from training_core.workflows.rlvr import RLVRWorkflow
+
+        return RLVRWorkflow(ctx)
+    if name == "multi_turn":
+        from training_core.workflows.multi_turn import MultiTurnWorkflow
+
+        return MultiTurnWorkflow(ctx)
+    module, sep, cls = name.partition(":")
+    if not sep:
+        raise ValueError(f"rollout.workflow {name!r}: use rlvr, multi_turn or module:Class")
+    return getattr(importlib.import_module(module), cls)(ctx)
