@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 demo: venv
-	$(BIN)/python -m training_core.demo
+	$(BIN)/python scripts/demo.py $(ARGS)
 
 test: venv
 	bash scripts/test.sh

@@ -3,7 +3,7 @@
 Both sides run the real stack (embedded rollout server process + DeepSpeed trainer + the async
 loop); only ``rollout.max_staleness`` differs: 0 (synchronous RL: generation for batch v+1 starts
 only once version v+1 exists) versus > 0. The task has a long-tailed spread of response lengths
-(running sums of 2..8 terms), as reasoning traces do, so a synchronous batch waits for its longest
+(running sums of 2..8 terms, 15% of prompts at the maximum), as reasoning traces do, so a synchronous batch waits for its longest
 sample.
 
     python benchmarks/async_vs_sync.py --quick --out bench-results/async_vs_sync.json
@@ -29,10 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from training_core.config import load_spec  # noqa: E402
 from training_core.metrics import read_metrics  # noqa: E402
 
-TASK = "data.options={min_terms: 2, max_terms: 8, max_value: 9, long_tail: 0.15}"
+TASK = "{min_terms: 2, max_terms: 8, max_value: 9, long_tail: 0.15}"
 
 
-def side(name: str, staleness: int, steps: int, initial: Path, out_root: Path, seed: int) -> dict:
+def side(name: str, staleness: int, steps: int, initial: Path, out_root: Path, seed: int,
+         task: str) -> dict:
     from training_core.train import train
 
     run_dir = out_root / name
@@ -41,8 +42,8 @@ def side(name: str, staleness: int, steps: int, initial: Path, out_root: Path, s
     if not link.exists():
         link.symlink_to(initial.resolve())
     spec = load_spec(None, [
-        f"name={name}", f"seed={seed}", f"run_dir={run_dir}", "model.path=tiny", TASK,
-        "rollout.max_new_tokens=40", "rollout.group_size=8", "rollout.max_concurrent=64",
+        f"name={name}", f"seed={seed}", f"run_dir={run_dir}", "model.path=tiny",
+        f"data.options={task}", "rollout.max_new_tokens=48", "reward.executor=inline", "rollout.group_size=8", "rollout.max_concurrent=64",
         f"rollout.max_staleness={staleness}", "trainer.batch_groups=8", "trainer.lr=1e-4",
         f"trainer.steps={steps}", "eval.every=0", "checkpoint.every=0",
     ])
@@ -76,12 +77,13 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer steps (< 5 min on 2 cores)")
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--staleness", type=int, default=4)
+    parser.add_argument("--staleness", type=int, default=2)
+    parser.add_argument("--task", default=TASK, help="synthetic arithmetic options (YAML mapping)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", default="bench-results/async_vs_sync.json")
     parser.add_argument("--work-dir", default=None)
     args = parser.parse_args()
-    steps = args.steps or (25 if args.quick else 80)
+    steps = args.steps or (30 if args.quick else 100)
     work = Path(args.work_dir or f"runs/bench-async-vs-sync-{time.strftime('%Y%m%d-%H%M%S')}")
     work.mkdir(parents=True, exist_ok=True)
 
@@ -93,13 +95,13 @@ def main() -> int:
 
     # One warm start shared by both sides, so they begin from identical weights.
     print("warm start (shared by both sides) ...", flush=True)
-    base = load_spec(None, ["model.path=tiny", TASK, f"seed={args.seed}"])
-    initial = sft(base, work / "initial_model", steps=10_000, seconds=20 if args.quick else 45,
+    base = load_spec(None, ["model.path=tiny", f"data.options={args.task}", f"seed={args.seed}"])
+    initial = sft(base, work / "initial_model", steps=10_000, seconds=40 if args.quick else 90,
                   progress=False)
     results = {}
     for name, staleness in (("sync", 0), ("async", args.staleness)):
         print(f"{name}: max_staleness={staleness}, {steps} steps ...", flush=True)
-        results[name] = side(name, staleness, steps, initial, work, args.seed)
+        results[name] = side(name, staleness, steps, initial, work, args.seed, args.task)
         print(json.dumps(results[name], indent=1), flush=True)
     out = {
         **results,
@@ -107,7 +109,8 @@ def main() -> int:
         "throughput_ratio": results["async"]["effective_tokens_per_s"]
         / results["sync"]["effective_tokens_per_s"],
         "reward_delta": results["async"]["final_reward"] - results["sync"]["final_reward"],
-        "config": {"steps": steps, "quick": args.quick, "seed": args.seed, "task": TASK,
+        "config": {"steps": steps, "quick": args.quick, "seed": args.seed, "task": args.task,
+                   "staleness": args.staleness,
                    "batch_groups": 8, "group_size": 8},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},

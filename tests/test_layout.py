@@ -55,3 +55,24 @@ def test_config_module_stays_light():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_orchestration_imports_only_training_core_of_ours():
+    offenders = []
+    for path in (ROOT / "platform" / "orchestration").rglob("*.py"):
+        bad = _imported_top_levels(path) & {"webapp", "workers", "django"}
+        if bad:
+            offenders.append(f"{path.relative_to(ROOT)} imports {sorted(bad)}")
+    assert not offenders, offenders
+
+
+def test_web_side_imports_only_the_trigger_module_of_orchestration():
+    offenders = []
+    for base in ("webapp", "workers"):
+        for path in (ROOT / base).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("orchestration"):
+                    if node.module != "orchestration.trigger":
+                        offenders.append(f"{path.relative_to(ROOT)}: {node.module}")
+    assert not offenders, offenders

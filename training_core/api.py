@@ -130,4 +130,6 @@ class MetricsSink(Protocol):
 
     def event(self, kind: str, message: str, **data: Any) -> None: ...
 
+    # Optional: ``trajectories(step, samples)`` for the tracker's trajectory viewer.
+
     def close(self) -> None: ...

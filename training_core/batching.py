@@ -21,20 +21,21 @@ def build_train_batch(groups: list[TrajectoryGroup], *, pad_id: int, algo: Algor
     shaped = rewards + overlong_penalty(lengths, max_new_tokens, algo)
     adv = group_advantages(shaped, algo).reshape(-1)
 
+    # Pad as Python lists and convert once per field: per-sample tensor copies cost more than
+    # the forward pass for small models.
     width = max(len(s.input_ids) for s in samples)
-    n = len(samples)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, width), dtype=torch.long)
-    loss_mask = torch.zeros((n, width), dtype=torch.float32)
-    behav = torch.zeros((n, width), dtype=torch.float32)
-    versions = torch.full((n, width), PROMPT_VERSION, dtype=torch.long)
-    advantages = torch.zeros((n, width), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        length = len(s.input_ids)
-        input_ids[i, :length] = torch.tensor(s.input_ids)
-        attention[i, :length] = 1
-        loss_mask[i, :length] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        behav[i, :length] = torch.tensor(s.logprobs)
-        versions[i, :length] = torch.tensor(s.versions)
-        advantages[i, :length] = adv[i] * loss_mask[i, :length]
-    return TrainBatch(input_ids, attention, loss_mask, behav, versions, advantages)
+
+    def pad(rows, value):
+        return [list(r) + [value] * (width - len(r)) for r in rows]
+
+    loss_mask = torch.tensor(pad([s.loss_mask for s in samples], 0), dtype=torch.float32)
+    lengths_t = torch.tensor([len(s.input_ids) for s in samples])
+    attention = (torch.arange(width).unsqueeze(0) < lengths_t.unsqueeze(1)).long()
+    return TrainBatch(
+        input_ids=torch.tensor(pad([s.input_ids for s in samples], pad_id), dtype=torch.long),
+        attention_mask=attention,
+        loss_mask=loss_mask,
+        behav_logp=torch.tensor(pad([s.logprobs for s in samples], 0.0), dtype=torch.float32),
+        versions=torch.tensor(pad([s.versions for s in samples], PROMPT_VERSION), dtype=torch.long),
+        advantages=adv.view(-1, 1) * loss_mask,
+    )

@@ -4,6 +4,7 @@
     oolong train --resume runs/demo-20261122-101500
     oolong sft --config run.yaml --out runs/demo/initial_model --seconds 30
     oolong serve --model-path DIR --port 30000      # the embedded rollout server
+    oolong runs create|list|watch|cancel|compare    # a remote Oolong server (REST API)
 """
 
 from __future__ import annotations
@@ -104,12 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("serve", help="the embedded rollout server (SGLang API)")
     v.add_argument("server_args", nargs=argparse.REMAINDER)
     v.set_defaults(fn=cmd_serve)
-    try:  # the web app adds `oolong runs ...` when it is installed
-        from training_core.cli_plugins import add_plugins
+    from training_core.runs_cli import add_runs_parser
 
-        add_plugins(sub)
-    except ImportError:
-        pass
+    add_runs_parser(sub)
     return p
 
 
@@ -117,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
+    if args.command == "runs":
+        from training_core.runs_cli import run_command
+
+        return run_command(args.fn, args)
     return args.fn(args)
 
 

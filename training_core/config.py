@@ -39,6 +39,9 @@ class ModelSpec(_Section):
     num_layers: int = Field(4, gt=0, description="tiny model only")
     num_heads: int = Field(4, gt=0, description="tiny model only")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Supervised warm start on the task's rows before RL (`oolong sft`); needed for models that
+    # start from random weights (RL from scratch gets no reward signal). 0 disables it.
+    warm_start_seconds: float = Field(0.0, ge=0)
 
 
 class DataSpec(_Section):
@@ -93,7 +96,10 @@ class RolloutSpec(_Section):
 class RewardSpec(_Section):
     # builtin:<name> (arithmetic, math, gsm8k, exact, numeric, reasoning_gym) or module:function
     fn: str = "builtin:arithmetic"
-    executor: Literal["process", "inline", "celery"] = "process"
+    # process: a local pool; inline: in the event loop (cheap rewards); remote: a backend class
+    # by import path, e.g. the Celery worker pool (code execution, model judges).
+    executor: Literal["process", "inline", "remote"] = "process"
+    remote_backend: str = "orchestration.celery_rewards:CeleryRewardBackend"
     workers: int = Field(1, ge=1)
     timeout_s: float = Field(10.0, gt=0)
 
@@ -141,7 +147,17 @@ class MetricsSpec(_Section):
     sinks: list[Literal["jsonl", "http"]] = Field(default_factory=lambda: ["jsonl"])
     tracker_url: str | None = None
     tracker_token: str | None = None
-    run_id: str | None = None
+    # The trainer reports running/succeeded/failed itself (standalone); orchestration flows
+    # that report status turn this off.
+    report_status: bool = True
+
+
+class OrchestrationSpec(_Section):
+    # Where the run's processes go: this machine, or cloud GPU nodes provisioned with Terraform.
+    provider: Literal["local", "terraform"] = "local"
+    terraform_vars: dict[str, Any] = Field(default_factory=dict)
+    heartbeat_timeout_s: float = Field(900.0, gt=0)
+    max_server_restarts: int = Field(2, ge=0)
 
 
 class RunSpec(_Section):
@@ -157,6 +173,7 @@ class RunSpec(_Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    orchestration: OrchestrationSpec = Field(default_factory=OrchestrationSpec)
     weight_sync: Literal["disk", "nccl"] = "disk"
 
     @model_validator(mode="after")

@@ -17,6 +17,7 @@ class JsonlSink:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._metrics = (self.dir / "metrics.jsonl").open("a", buffering=1)
         self._events = (self.dir / "events.jsonl").open("a", buffering=1)
+        self._trajectories = (self.dir / "trajectories.jsonl").open("a", buffering=1)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._metrics.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
@@ -25,9 +26,14 @@ class JsonlSink:
         self._events.write(json.dumps({"time": time.time(), "kind": kind, "message": message,
                                        **data}, default=str) + "\n")
 
+    def trajectories(self, step: int, samples: list[dict[str, Any]]) -> None:
+        for s in samples:
+            self._trajectories.write(json.dumps({"step": step, **s}) + "\n")
+
     def close(self) -> None:
         self._metrics.close()
         self._events.close()
+        self._trajectories.close()
 
 
 def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
@@ -74,6 +80,23 @@ class MultiSink:
     def event(self, kind: str, message: str, **data: Any) -> None:
         for s in self.sinks:
             s.event(kind, message, **data)
+
+    def trajectories(self, step: int, samples: list[dict[str, Any]]) -> None:
+        for s in self.sinks:
+            if hasattr(s, "trajectories"):
+                s.trajectories(step, samples)
+
+    @property
+    def status(self):
+        reporters = [s.status for s in self.sinks if hasattr(s, "status")]
+        if not reporters:
+            return None
+
+        def report(status: str, reason: str = "") -> None:
+            for r in reporters:
+                r(status, reason)
+
+        return report
 
     def close(self) -> None:
         for s in self.sinks:

@@ -125,10 +125,25 @@ def batch_metrics(groups, version: int, algo: AlgorithmConfig) -> dict[str, floa
         "response_length/max": max(lengths),
         "staleness/mean": statistics.fmean(lags) if lags else 0.0,
         "staleness/max": max(lags) if lags else 0.0,
+        **{f"staleness/lag_{k}_frac": (sum(1 for x in lags if x == k) / len(lags) if lags else 0.0)
+           for k in range(0, 5)},
         "rollout/interruptions": sum(s.info.get("interruptions", 0) for s in samples),
         "rollout/truncated_frac": sum(s.truncated for s in samples) / len(samples),
         "reward/errors": sum(1 for s in samples if s.info.get("reward_error")),
     }
+
+
+def sample_records(groups, tokenizer, n: int) -> list[dict[str, Any]]:
+    """A few samples per step for the trajectory viewer: text per token and its version."""
+    out = []
+    for i, s in enumerate(s for g in groups[:n] for s in g.samples[:1]):
+        gen = [(t, v) for t, v, m in zip(s.input_ids, s.versions, s.loss_mask, strict=True) if m]
+        prompt_ids = [t for t, m in zip(s.input_ids, s.loss_mask, strict=True) if not m]
+        out.append({"index": i, "prompt": tokenizer.decode(prompt_ids, skip_special_tokens=True),
+                    "completion": s.info.get("completion", ""), "reward": s.reward,
+                    "tokens": [tokenizer.decode([t]) for t, _ in gen],
+                    "token_versions": [v for _, v in gen]})
+    return out
 
 
 def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool = True,
@@ -197,7 +212,8 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
                               temperature=spec.rollout.temperature, top_p=spec.rollout.top_p,
                               top_k=spec.rollout.top_k)
     rewards = RewardPool(spec.reward.fn, workers=spec.reward.workers,
-                         timeout_s=spec.reward.timeout_s, executor=spec.reward.executor)
+                         timeout_s=spec.reward.timeout_s, executor=spec.reward.executor,
+                         remote_backend=spec.reward.remote_backend)
     ctx = WorkflowContext(tokenizer=tokenizer, rewards=rewards, sampling=sampling,
                           group_size=spec.rollout.group_size,
                           prompt_template=spec.data.prompt_template,
@@ -210,6 +226,9 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
     timers = Timers()
     first_eval = last_eval = None
     sink.event("started", f"run {spec.name} at version {version}", run_dir=str(run_dir))
+    report = getattr(sink, "status", None) if spec.metrics.report_status else None
+    if report:
+        report("running")
     executor.start()
     bar = tqdm(total=spec.trainer.steps, initial=first_step - 1, disable=not progress,
                desc=spec.name, unit="step", dynamic_ncols=True)
@@ -294,13 +313,19 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
                 **timers.pop(),
             })
             sink.log(step, metrics)
+            if hasattr(sink, "trajectories"):
+                sink.trajectories(step, sample_records(batch.groups, tokenizer, n=4))
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", v=version,
                             stale=f"{metrics['staleness/mean']:.2f}",
                             tok_s=f"{metrics['tokens_per_s']:.0f}")
         sink.event("finished", f"finished at step {step}, version {version}")
+        if report:
+            report("succeeded")
     except BaseException as exc:
         sink.event("failed", f"{type(exc).__name__}: {exc}", step=step)
+        if report:
+            report("failed", f"{type(exc).__name__}: {exc}")
         raise
     finally:
         bar.close()

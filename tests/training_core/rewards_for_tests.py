@@ -15,3 +15,8 @@ def raises(completion: str, item: dict) -> float:
 def sleeps(completion: str, item: dict) -> float:
     time.sleep(60)
     return 1.0
+
+
+def digit_reward(completion: str, item: dict) -> float:
+    """The fraction of digits: random completions differ, so every group has advantages."""
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)

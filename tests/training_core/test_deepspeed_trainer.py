@@ -70,3 +70,10 @@ def test_exported_weights_load_into_the_model(trainer, tmp_path, tiny_model_dir)
     assert "lm_head.weight" not in state  # tied: the server re-ties on load
     for k, v in state.items():
         assert torch.equal(v, own[k].cpu())
+
+
+def test_pack_micro_batches_never_pads_a_sample_past_twice_its_length():
+    lengths = [96] * 3 + [20] * 40
+    for b in pack_micro_batches(lengths, 8192):
+        longest = max(lengths[i] for i in b)
+        assert all(2 * lengths[i] >= longest for i in b)

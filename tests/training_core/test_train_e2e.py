@@ -21,10 +21,10 @@ from training_core.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[2]
 
 SMALL = [
-    "model.path=tiny", "data.options={max_value: 9}", "rollout.group_size=2",
-    "rollout.max_new_tokens=6", "rollout.max_concurrent=8", "trainer.batch_groups=2",
+    "model.path=tiny", "data.options={max_value: 9}",
+    "rollout.max_new_tokens=8", "rollout.max_concurrent=8", "rollout.group_size=4", "trainer.batch_groups=2",
     "trainer.lr=1e-3", "eval.size=4", "reward.executor=process",
-    "reward.fn=tests.training_core.rewards_for_tests:length_reward",
+    "reward.fn=tests.training_core.rewards_for_tests:digit_reward",
 ]
 
 
@@ -63,9 +63,9 @@ def _train_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "training_core.cli", "train", "--no-progress", *args]
 
 
-def _server_pids(run_dir: Path) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"embedded_server.*{run_dir}"], capture_output=True,
-                         text=True)
+def _server_pids(trainer_pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"embedded_server.*--parent-pid {trainer_pid}$"],
+                         capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 
@@ -88,6 +88,8 @@ def test_sigkill_mid_run_then_resume_repeats_and_skips_no_step(tmp_path):
         assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         assert time.time() < deadline, "the run did not reach step 3"
         time.sleep(0.1)
+    servers = _server_pids(proc.pid)
+    assert servers, "the trainer's rollout server should be running"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     killed_at = max(r["step"] for r in read_metrics(run_dir))
@@ -95,9 +97,9 @@ def test_sigkill_mid_run_then_resume_repeats_and_skips_no_step(tmp_path):
 
     # Its rollout servers notice and exit: no orphans.
     deadline = time.time() + 15
-    while _server_pids(run_dir) and time.time() < deadline:
+    while _server_pids(proc.pid) and time.time() < deadline:
         time.sleep(0.2)
-    assert not _server_pids(run_dir)
+    assert not _server_pids(proc.pid)
 
     out = subprocess.run(_train_cmd("--resume", str(run_dir)), cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)

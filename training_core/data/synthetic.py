@@ -13,10 +13,11 @@ from typing import Any
 
 
 def arithmetic_item(rng: random.Random, *, min_terms: int = 2, max_terms: int = 2,
-                    max_value: int = 50, long_tail: float = 0.0) -> dict[str, Any]:
+                    max_value: int = 50, long_tail: float = 0.0,
+                    tail_terms: int | None = None) -> dict[str, Any]:
     k = rng.randint(min_terms, max_terms)
     if long_tail > 0 and rng.random() < long_tail:
-        k = max_terms  # a few long samples, as in real reasoning traces
+        k = tail_terms or max_terms  # a few long samples, as in real reasoning traces
     terms = [rng.randint(0, max_value) for _ in range(k)]
     sums, total = [], 0
     for t in terms:

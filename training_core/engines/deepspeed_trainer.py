@@ -47,13 +47,15 @@ class TrainBatch:
 
 
 def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Group sample indices (longest first) so each padded micro-batch fits ``token_budget``."""
+    """Group sample indices (longest first) so each padded micro-batch fits ``token_budget`` and
+    no sample is padded to more than twice its length (long-tailed lengths would otherwise make
+    most of a micro-batch padding)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches: list[list[int]] = []
     current: list[int] = []
     for i in order:
         longest = lengths[current[0]] if current else lengths[i]
-        if current and longest * (len(current) + 1) > token_budget:
+        if current and (longest * (len(current) + 1) > token_budget or 2 * lengths[i] < longest):
             batches.append(current)
             current = []
         current.append(i)
@@ -74,15 +76,22 @@ def init_distributed(backend: str = "auto") -> None:
 
     if dist.is_available() and dist.is_initialized():
         return
-    # Single process by default; under the deepspeed launcher these are already set.
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
+    # Single process by default; under the deepspeed launcher these are already set. The
+    # rendezvous address we set is removed afterwards: child processes (a trainer started from
+    # here) must not inherit a port that this process's store already holds. DeepSpeed reads
+    # LOCAL_RANK later, so the ranks stay.
+    defaults = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+                "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    added = [k for k in defaults if k not in os.environ]
+    for k in added:
+        os.environ[k] = defaults[k]
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    try:
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    finally:
+        for k in set(added) & {"MASTER_ADDR", "MASTER_PORT"}:
+            os.environ.pop(k, None)
 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

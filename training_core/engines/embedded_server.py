@@ -394,8 +394,7 @@ def create_app(engine: GenerationEngine) -> FastAPI:
     app = FastAPI(title="oolong embedded rollout server (SGLang native API)")
     counter = itertools.count()
 
-    async def _one(body: dict, input_ids: list[int]) -> dict:
-        sp = body.get("sampling_params") or {}
+    async def _one(body: dict, input_ids: list[int], sp: dict) -> dict:
         loop = asyncio.get_running_loop()
         seq = _Seq(
             rid=str(body.get("rid") or f"{uuid.uuid4().hex[:8]}-{next(counter)}"),
@@ -427,9 +426,14 @@ def create_app(engine: GenerationEngine) -> FastAPI:
                    else engine.tokenizer.encode(text))
         if not ids:
             return _error(400, "input_ids (or text) is required and must not be empty")
+        sp = body.get("sampling_params") or {}
         if isinstance(ids[0], list):
-            return await asyncio.gather(*[_one(body, x) for x in ids])
-        return await _one(body, ids)
+            # A batch: one sampling_params for all, or a list with one per sample (SGLang).
+            params = sp if isinstance(sp, list) else [sp] * len(ids)
+            if len(params) != len(ids):
+                return _error(400, "sampling_params list must match the input_ids batch")
+            return await asyncio.gather(*[_one(body, x, p) for x, p in zip(ids, params, strict=True)])
+        return await _one(body, ids, sp)
 
     @app.post("/pause_generation")
     async def pause_generation():

@@ -59,13 +59,14 @@ class _Partial:
 
 class RolloutClient:
     def __init__(self, urls: list[str], *, timeout_s: float = 300.0, retries: int = 3,
-                 cooldown_s: float = 2.0):
+                 cooldown_s: float = 2.0, retry_window_s: float = 120.0):
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
         self.servers = [_Server(u.rstrip("/")) for u in urls]
         self.timeout_s = timeout_s
         self.retries = retries
         self.cooldown_s = cooldown_s
+        self.retry_window_s = retry_window_s
         self._version = 0
         self._clients: dict[int, httpx.AsyncClient] = {}
         self.interruptions = 0
@@ -105,21 +106,27 @@ class RolloutClient:
         return resp.json() if resp.content else {}
 
     async def _generate_once(self, payload: dict, weight: int = 1) -> dict | list:
-        last_exc: Exception | None = None
-        for attempt in range(self.retries + 1):
+        """POST /generate, retrying connection errors and 5xx on the least-loaded healthy server
+        until ``retry_window_s`` has passed (a restarted server comes back within it)."""
+        deadline = time.monotonic() + self.retry_window_s
+        attempt = 0
+        while True:
             server = self._pick()
             server.in_flight += weight
             try:
                 return await self._post(server, "/generate", payload)
             except (httpx.TransportError, RolloutServerError) as exc:
-                last_exc = exc
                 server.failures += 1
                 server.down_until = time.monotonic() + self.cooldown_s
-                log.warning("generate on %s failed (attempt %d): %s", server.url, attempt + 1, exc)
+                attempt += 1
+                if attempt > self.retries and time.monotonic() > deadline:
+                    raise RolloutServerError(
+                        f"generation failed after {attempt} attempts over "
+                        f"{self.retry_window_s:.0f}s: {exc}") from exc
+                log.warning("generate on %s failed (attempt %d): %s", server.url, attempt, exc)
                 await asyncio.sleep(min(0.2 * 2**attempt, 2.0))
             finally:
                 server.in_flight -= weight
-        raise RolloutServerError(f"generation failed after {self.retries + 1} attempts: {last_exc}")
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -132,16 +139,25 @@ class RolloutClient:
         start = time.perf_counter()
         states = [_Partial() for _ in range(n)]
         await self._round(request, states)
-        await asyncio.gather(*[self._finish_partial(request, st) for st in states if st.aborted])
+        while True:  # samples interrupted by a weight update resume together
+            aborted = [st for st in states if st.aborted]
+            if not aborted:
+                break
+            await self._round(request, aborted)
         return [st.response(request, time.perf_counter() - start) for st in states]
 
     def _payload(self, request: GenerationRequest, states: list[_Partial]) -> dict:
-        params = request.sampling.to_sglang()
-        # One budget for the batch: callers batch only fresh samples (equal budgets).
-        params["max_new_tokens"] = request.sampling.max_new_tokens - len(states[0].ids)
+        # SGLang's batch form: a list of input_ids and one sampling_params per sample, so
+        # interrupted samples with different remaining budgets resume in one request.
+        params = []
+        for st in states:
+            p = request.sampling.to_sglang()
+            p["max_new_tokens"] = request.sampling.max_new_tokens - len(st.ids)
+            params.append(p)
         ids = [request.input_ids + st.ids for st in states]
-        return {"input_ids": ids if len(ids) > 1 else ids[0], "sampling_params": params,
-                "return_logprob": True}
+        if len(ids) == 1:
+            return {"input_ids": ids[0], "sampling_params": params[0], "return_logprob": True}
+        return {"input_ids": ids, "sampling_params": params, "return_logprob": True}
 
     async def _round(self, request: GenerationRequest, states: list[_Partial]) -> None:
         version_at_submit = self._version
@@ -163,10 +179,6 @@ class RolloutClient:
             if st.finish == "abort":
                 st.interruptions += 1
                 self.interruptions += 1
-
-    async def _finish_partial(self, request: GenerationRequest, st: _Partial) -> None:
-        while st.aborted:
-            await self._round(request, [st])
 
     # ---- control ----------------------------------------------------------------------------
 

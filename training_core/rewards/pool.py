@@ -73,11 +73,18 @@ class RewardPool:
     """``await pool.score(completion, item)`` -> RewardResult. ``executor='inline'`` skips processes."""
 
     def __init__(self, fn_path: str, *, workers: int = 1, timeout_s: float = 10.0,
-                 executor: str = "process"):
+                 executor: str = "process", remote_backend: str | None = None):
         self.fn_path = fn_path
         self.timeout_s = timeout_s
         self.executor = executor
         self.failures = 0
+        self._remote = None
+        if executor == "remote":
+            # Loaded by import path: the engine knows no queue library.
+            module, _, cls = (remote_backend or "").partition(":")
+            import importlib
+
+            self._remote = getattr(importlib.import_module(module), cls)(fn_path, timeout_s=timeout_s)
         self._inline_fn = resolve_reward(fn_path)  # fail fast on a bad path
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
@@ -97,6 +104,14 @@ class RewardPool:
 
     async def score(self, completion: str, item: dict[str, Any]) -> RewardResult:
         start = time.perf_counter()
+        if self._remote is not None:
+            try:
+                reward, error = await self._remote.score(completion, item)
+            except Exception as exc:  # noqa: BLE001 - a lost remote call scores 0, the run goes on
+                return self._failed(f"remote reward failed: {type(exc).__name__}: {exc}", start)
+            if error:
+                return self._failed(error, start)
+            return RewardResult(reward, None, time.perf_counter() - start)
         if self.executor == "inline":
             try:
                 return RewardResult(float(self._inline_fn(completion, item)), None,
@@ -129,6 +144,8 @@ class RewardPool:
         return RewardResult(0.0, error, time.perf_counter() - start)
 
     def close(self) -> None:
+        if self._remote is not None and hasattr(self._remote, "close"):
+            self._remote.close()
         for w in self._workers:
             try:
                 w.conn.send(None)

@@ -1,0 +1,51 @@
+"""Remote rewards on the Celery worker pool, for expensive rewards (code execution, model judges).
+
+Select with ``reward.executor: remote`` (the default ``reward.remote_backend`` is this class).
+The trainer only needs the broker: OOLONG_REWARD_BROKER_URL and OOLONG_REWARD_RESULT_BACKEND
+(fall back to CELERY_BROKER_URL / CELERY_RESULT_BACKEND). Tasks are sent by name, so nothing of
+the web app is imported on the trainer's side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+from typing import Any
+
+from celery import Celery
+
+TASK = "oolong.reward_score"
+
+
+class CeleryRewardBackend:
+    def __init__(self, fn_path: str, *, timeout_s: float = 30.0):
+        broker = os.environ.get("OOLONG_REWARD_BROKER_URL") or os.environ.get("CELERY_BROKER_URL")
+        backend = os.environ.get("OOLONG_REWARD_RESULT_BACKEND") or os.environ.get("CELERY_RESULT_BACKEND")
+        if not broker or not backend:
+            raise ValueError("reward.executor 'remote' needs OOLONG_REWARD_BROKER_URL and "
+                             "OOLONG_REWARD_RESULT_BACKEND (the Celery broker and result backend)")
+        self.fn_path = fn_path
+        self.timeout_s = timeout_s
+        self.app = Celery("oolong-trainer", broker=broker, backend=backend)
+        self.source = self._user_source(fn_path)
+
+    @staticmethod
+    def _user_source(fn_path: str) -> str:
+        """User reward code travels with the task (workers have no copy of the run directory)."""
+        module = fn_path.partition(":")[0]
+        if module == "builtin":
+            return ""
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            raise ValueError(f"reward.fn {fn_path!r}: module {module!r} not found")
+        with open(spec.origin) as fh:
+            return fh.read()
+
+    async def score(self, completion: str, item: dict[str, Any]) -> tuple[float, str | None]:
+        result = self.app.send_task(TASK, args=[self.fn_path, self.source, completion, item])
+        body = await asyncio.to_thread(result.get, timeout=self.timeout_s, propagate=True)
+        return float(body.get("reward", 0.0)), body.get("error")
+
+    def close(self) -> None:
+        self.app.close()

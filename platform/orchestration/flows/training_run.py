@@ -1,0 +1,235 @@
+"""The `training-run` flow: provision -> rollout fleet -> trainer -> supervise -> tear down.
+
+Every step is a task that does one thing; the flow only orchestrates. Status and events go to
+the web app over HTTP with the run's ingest token (this process holds no database credentials).
+Whatever happens, ``finally`` stops every process of the run, releases the nodes and reports the
+final status with its reason.
+
+Local mode (no Prefect server): ``python -m orchestration.flows.training_run --run-id ...``
+runs it on Prefect's ephemeral engine. Server mode: the `training-run` deployment in
+platform/prefect.yaml, picked up by a worker of the `oolong` process work pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+
+from orchestration.launchers import trainer_command
+from orchestration.providers import NodeInventory, get_provider
+from orchestration.supervise import Outcome, supervise
+from orchestration.tracker import Tracker
+from training_core.config import RunSpec
+from training_core.launch import Fleet, embedded_server_command, free_port, sglang_server_command
+
+
+@dataclass
+class RunProcesses:
+    fleet: Fleet | None = None
+    trainer: subprocess.Popen | None = None
+    extra: list[subprocess.Popen] = field(default_factory=list)
+
+
+def runs_root() -> Path:
+    return Path(os.environ.get("OOLONG_RUNS_DIR", Path.cwd() / "runs")) / "flows"
+
+
+@task(name="provision-nodes")
+def provision_nodes(provider_name: str, run_id: int, spec: dict) -> NodeInventory:
+    return get_provider(provider_name).provision(run_id, spec)
+
+
+@task(name="prepare-run")
+def prepare_run(tracker_url: str, token: str, run_dir: Path) -> tuple[RunSpec, Path]:
+    from training_core.remote_run import prepare_remote_run
+
+    return prepare_remote_run(tracker_url, token, run_dir)
+
+
+@task(name="warm-start")
+def warm_start(spec: RunSpec, spec_path: Path, run_dir: Path) -> Path | None:
+    out = run_dir / "initial_model"
+    if spec.model.warm_start_seconds <= 0 or (out / "config.json").exists():
+        return out if (out / "config.json").exists() else None
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    log = run_dir / "logs" / "warm-start.log"
+    subprocess.run([sys.executable, "-m", "training_core.cli", "sft", "--no-progress", "--config",
+                    str(spec_path), "--out", str(out), "--steps", "1000000", "--seconds",
+                    str(spec.model.warm_start_seconds)], check=True, env=_env(run_dir),
+                   stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return out
+
+
+def _model_dir(spec: RunSpec, run_dir: Path) -> str:
+    if (run_dir / "initial_model" / "config.json").exists():
+        return str(run_dir / "initial_model")
+    from training_core.models.loading import resolve_model_dir
+
+    return str(resolve_model_dir(spec.model.path, hidden_size=spec.model.hidden_size,
+                                 num_layers=spec.model.num_layers, num_heads=spec.model.num_heads))
+
+
+def _env(run_dir: Path) -> dict[str, str]:
+    # User reward modules are written into the run directory: make them importable.
+    path = os.pathsep.join(p for p in [str(run_dir), os.environ.get("PYTHONPATH", "")] if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def _server_command(spec: RunSpec, model_dir: str, port: int, index: int) -> list[str]:
+    if spec.rollout.backend == "sglang":
+        return sglang_server_command(model_dir, port)
+    return embedded_server_command(model_dir, port, threads=spec.rollout.server_threads,
+                                   max_batch_size=spec.rollout.max_batch_size,
+                                   seed=spec.seed + index, parent_pid=os.getpid())
+
+
+def _spawn_server(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=log.open("a"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+@task(name="start-rollout-fleet")
+def start_rollout_fleet(spec: RunSpec, run_dir: Path, inventory: NodeInventory) -> Fleet:
+    model_dir = _model_dir(spec, run_dir)
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    fleet = Fleet(urls=[])
+    host = inventory.head.address
+    for i in range(spec.rollout.num_servers):
+        port = free_port()
+        log = logs / f"rollout-server-{i}.log"
+        fleet.processes.append(_spawn_server(_server_command(spec, model_dir, port, i), log, _env(run_dir)))
+        fleet.urls.append(f"http://{host}:{port}")
+        fleet.logs.append(log)
+    return fleet
+
+
+@task(name="wait-fleet-healthy")
+def wait_fleet_healthy(fleet: Fleet, timeout_s: float = 300.0) -> None:
+    fleet.wait_healthy(timeout_s)
+
+
+@task(name="start-trainer")
+def start_trainer(spec_path: Path, fleet: Fleet, inventory: NodeInventory, run_dir: Path) -> subprocess.Popen:
+    cmd = trainer_command(spec_path, fleet.urls, inventory, run_dir)
+    log = run_dir / "logs" / "trainer.log"
+    (run_dir / "trainer.cmd").write_text(" ".join(cmd))
+    return subprocess.Popen(cmd, stdout=log.open("a"), stderr=subprocess.STDOUT, env=_env(run_dir),
+                            start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
+    """Stop a process and everything it started (its own process group)."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+@task(name="tear-down")
+def tear_down(procs: RunProcesses) -> None:
+    _stop(procs.trainer)
+    if procs.fleet is not None:
+        for p in procs.fleet.processes:
+            _stop(p, grace_s=5)
+    for p in procs.extra:
+        _stop(p, grace_s=5)
+
+
+def _latest_weights(run_dir: Path) -> tuple[int, Path] | None:
+    found = []
+    for d in (run_dir / "weights").glob("v*"):
+        if d.name[1:].isdigit() and (d / "model.safetensors").exists():
+            found.append((int(d.name[1:]), d))
+    return max(found) if found else None
+
+
+@flow(name="training-run", log_prints=True)
+def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str = "local") -> str:
+    logger = get_run_logger()
+    tracker = Tracker(tracker_url, ingest_token)
+    run_dir = runs_root() / f"run-{run_id}"
+    procs = RunProcesses()
+    outcome = Outcome("failed", "the flow stopped before the trainer started")
+    prov = get_provider(provider)
+    try:
+        info = tracker.run_info()
+        if info.get("cancel_requested"):
+            outcome = Outcome("cancelled", "cancelled before start")
+            return outcome.status
+        tracker.status("provisioning")
+        tracker.event("flow", f"flow started (provider {provider}); run directory {run_dir}")
+        inventory = provision_nodes(provider, run_id, info["spec"])
+        spec, spec_path = prepare_run(tracker_url, ingest_token, run_dir)
+        warm_start(spec, spec_path, run_dir)
+        procs.fleet = start_rollout_fleet(spec, run_dir, inventory)
+        wait_fleet_healthy(procs.fleet)
+        tracker.event("fleet", f"{len(procs.fleet.urls)} rollout server(s) healthy",
+                      urls=procs.fleet.urls)
+        procs.trainer = start_trainer(spec_path, procs.fleet, inventory, run_dir)
+        tracker.status("running")
+        tracker.event("trainer", f"trainer started (pid {procs.trainer.pid})")
+
+        def restart_server(i: int) -> None:
+            fleet = procs.fleet
+            port = int(fleet.urls[i].rsplit(":", 1)[1])
+            fleet.processes[i] = _spawn_server(
+                _server_command(spec, _model_dir(spec, run_dir), port, i), fleet.logs[i], _env(run_dir))
+            Fleet(urls=[fleet.urls[i]], processes=[fleet.processes[i]], logs=[fleet.logs[i]]).wait_healthy(300)
+            latest = _latest_weights(run_dir)
+            if latest is not None:  # bring it to the trainer's current version
+                import httpx
+
+                httpx.post(fleet.urls[i] + "/update_weights_from_disk", timeout=120, json={
+                    "model_path": str(latest[1].resolve()), "weight_version": str(latest[0])})
+
+        outcome = supervise(tracker, procs.trainer, procs.fleet, run_dir,
+                            trainer_log=run_dir / "logs" / "trainer.log",
+                            restart_server=restart_server, stop_trainer=lambda: _stop(procs.trainer),
+                            heartbeat_timeout_s=spec.orchestration.heartbeat_timeout_s,
+                            max_server_restarts=spec.orchestration.max_server_restarts)
+        return outcome.status
+    except BaseException as exc:
+        outcome = Outcome("failed", f"{type(exc).__name__}: {exc}")
+        logger.error("training-run failed: %s", exc)
+        raise
+    finally:
+        tear_down(procs)
+        try:
+            prov.release(run_id)
+        except Exception as exc:  # noqa: BLE001 - report, but the status must still be sent
+            outcome = Outcome("failed", f"{outcome.reason}; node release failed: {exc}")
+        tracker.event("flow", f"finished: {outcome.status}" + (f" ({outcome.reason.splitlines()[0]})"
+                                                                 if outcome.reason else ""))
+        try:
+            tracker.status(outcome.status, outcome.reason)
+        finally:
+            tracker.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="run the training-run flow in this process")
+    parser.add_argument("--run-id", type=int, required=True)
+    parser.add_argument("--tracker-url", required=True)
+    parser.add_argument("--token", default=os.environ.get("OOLONG_INGEST_TOKEN"))
+    parser.add_argument("--provider", default="local")
+    args = parser.parse_args(argv)
+    status = training_run(args.run_id, args.tracker_url, args.token, args.provider)
+    return 0 if status == "succeeded" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

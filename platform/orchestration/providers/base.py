@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Node:
+    address: str
+    gpus: int = 0
+    ssh_user: str | None = None
+    private_address: str | None = None
+
+
+@dataclass
+class NodeInventory:
+    nodes: list[Node]
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def head(self) -> Node:
+        return self.nodes[0]
+
+    def hostfile(self) -> str:
+        """DeepSpeed's hostfile: one `host slots=N` line per node."""
+        return "".join(f"{n.private_address or n.address} slots={max(n.gpus, 1)}\n" for n in self.nodes)
+
+
+class NodeProvider(Protocol):
+    name: str
+
+    def provision(self, run_id: int, spec: dict) -> NodeInventory: ...
+
+    def release(self, run_id: int) -> None: ...

@@ -1,0 +1,110 @@
+"""How the web side starts and stops training-run flows. The only orchestration module the web
+app and workers import; it never runs a flow in the calling process.
+
+Modes (OOLONG_PREFECT_MODE):
+- ``local`` (default, no servers): a detached process runs the flow on Prefect's ephemeral
+  engine, with a project-local PREFECT_HOME.
+- ``server``: the `training-run/training-run` deployment on a Prefect server
+  (PREFECT_API_URL), with an idempotency key so a retried submission starts one flow run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOYMENT = "training-run/training-run"
+
+
+def prefect_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PREFECT_HOME", str(ROOT / ".cache" / "prefect"))
+    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    env.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    env.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    paths = [str(ROOT), str(ROOT / "platform"), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    # Flows and trainers never get the web app's database or broker credentials.
+    for secret in ("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "DJANGO_SECRET_KEY"):
+        env.pop(secret, None)
+    return env
+
+
+def submit_training_run(*, run_id: int, tracker_url: str, ingest_token: str,
+                        provider: str = "local") -> str:
+    mode = os.environ.get("OOLONG_PREFECT_MODE", "local")
+    if mode == "server":
+        from prefect.deployments import run_deployment
+
+        flow_run = run_deployment(DEPLOYMENT, timeout=0, idempotency_key=f"oolong-run-{run_id}",
+                                  parameters={"run_id": run_id, "tracker_url": tracker_url,
+                                              "ingest_token": ingest_token, "provider": provider})
+        return f"prefect:{flow_run.id}"
+    runs_dir = Path(os.environ.get("OOLONG_RUNS_DIR", ROOT / "runs")) / "flows" / f"run-{run_id}"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    env = prefect_env()
+    env["OOLONG_INGEST_TOKEN"] = ingest_token  # not on the command line (visible in ps)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestration.flows.training_run", "--run-id", str(run_id),
+         "--tracker-url", tracker_url, "--provider", provider],
+        cwd=ROOT, env=env, stdout=(runs_dir / "flow.log").open("a"), stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True)
+    return f"local:{proc.pid}"
+
+
+def flow_alive(ref: str) -> bool | None:
+    """True/False where it can tell, None where it cannot (e.g. no Prefect server reachable)."""
+    kind, _, ident = ref.partition(":")
+    if kind == "local":
+        try:
+            os.kill(int(ident), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        # A zombie (exited, not reaped) is not alive.
+        try:
+            state = Path(f"/proc/{ident}/stat").read_text().split()[2]
+            return state != "Z"
+        except OSError:
+            return True
+    if kind == "prefect":
+        try:
+            import asyncio
+
+            from prefect.client.orchestration import get_client
+
+            async def state() -> bool:
+                async with get_client() as client:
+                    fr = await client.read_flow_run(ident)
+                    return not fr.state.is_final()
+
+            return asyncio.run(state())
+        except Exception:  # noqa: BLE001
+            return None
+    return None
+
+
+def kill_flow(ref: str) -> None:
+    """Last resort after a cancel request the flow did not honour."""
+    kind, _, ident = ref.partition(":")
+    if kind == "local":
+        try:
+            os.killpg(int(ident), signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    elif kind == "prefect":
+        import asyncio
+
+        from prefect.client.orchestration import get_client
+        from prefect.states import Cancelling
+
+        async def cancel() -> None:
+            async with get_client() as client:
+                await client.set_flow_run_state(ident, Cancelling(), force=True)
+
+        asyncio.run(cancel())

@@ -1,0 +1,130 @@
+"""Browser tests: Playwright driving Debian's Chromium against the live web app.
+
+Screenshots land in test-artifacts/ (kept by CI as test artifacts)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.webapp.conftest import QA_ROWS, jsonl
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed"),
+]
+# Playwright's sync API runs an event loop in this thread; the ORM calls in the test are plain
+# synchronous setup code.
+os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+
+@pytest.fixture
+def page():
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+        yield pg
+        browser.close()
+
+
+def _login(page, base: str) -> None:
+    page.goto(base + "/")
+    assert "/accounts/login/" in page.url  # pages need a login
+    page.fill("input[name=username]", "alice")
+    page.fill("input[name=password]", "alice-pass-123")
+    page.click("button[type=submit]")
+    page.wait_for_url(base + "/")
+
+
+def _metrics(run, steps: int, scale: float) -> None:
+    from webapp.tracking.services import metrics_ingest
+
+    keys = ["reward/mean", "eval/accuracy", "staleness/mean", "tokens_per_s", "loss", "version"]
+    metrics_ingest(run=run, points=[{"key": k, "step": s, "value": scale * s / steps, "time": 1e9 + s}
+                                    for s in range(1, steps + 1) for k in keys])
+
+
+def test_login_upload_create_run_charts_and_compare(page, live_server, alice, project, reward_version, tmp_path):
+    base = live_server.url
+    _login(page, base)
+
+    # A broken file: the error names the line and the field, nothing is stored.
+    bad = tmp_path / "broken.jsonl"
+    bad.write_text('{"question": "1+1="}\n')
+    page.goto(base + "/datasets/")
+    page.fill("input[name=name]", "broken")
+    page.select_option("select[name=task]", "qa")
+    page.set_input_files("input[name=file]", str(bad))
+    page.click("form.card button[type=submit]")
+    error = page.locator(".error-box")
+    error.wait_for()
+    assert "line 1" in error.inner_text() and "answer" in error.inner_text()
+    page.screenshot(path=str(ARTIFACTS / "dataset-upload-error.png"), full_page=True)
+
+    good = tmp_path / "adds.jsonl"
+    good.write_bytes(jsonl(QA_ROWS))
+    page.fill("input[name=name]", "adds")
+    page.select_option("select[name=task]", "arithmetic")
+    page.set_input_files("input[name=file]", str(good))
+    page.click("form.card button[type=submit]")
+    page.wait_for_url("**/datasets/*/")
+    assert "0+1=" in page.locator("table.preview").inner_text()
+    page.screenshot(path=str(ARTIFACTS / "dataset-detail.png"), full_page=True)
+
+    # Create a run from the form; an invalid spec is shown per field first.
+    page.goto(base + "/runs/new/")
+    page.fill("input[name=name]", "browser-run")
+    page.fill("textarea[name=spec]", "trainer:\n  stepz: 3\n")
+    page.click("form.card button[type=submit]")
+    assert "spec.trainer.stepz" in page.locator(".error-box").inner_text()
+    page.fill("textarea[name=spec]", "trainer:\n  steps: 3\n")
+    page.click("form.card button[type=submit]")
+    page.wait_for_url("**/runs/*/")
+    from webapp.runs.models import Run
+
+    run = Run.objects.get(name="browser-run")
+    _metrics(run, 3000, 1.0)
+    page.reload()
+    page.wait_for_function("document.querySelectorAll('#charts .main-svg').length >= 6")
+    traces = page.evaluate("document.getElementById('chart-0').data.length")
+    assert traces >= 2  # reward band + mean line (downsampled 3000 steps)
+    page.screenshot(path=str(ARTIFACTS / "run-page.png"), full_page=True)
+
+    # Compare with a second run.
+    from webapp.runs.services import run_create
+
+    other = run_create(project=project, user=alice, name="browser-run-2",
+                       dataset_version=run.dataset_version, reward_version=reward_version,
+                       spec={"trainer": {"steps": 5, "lr": 0.01}})
+    _metrics(other, 500, 0.5)
+    page.goto(f"{base}/compare/?ids={run.id}&ids={other.id}")
+    page.wait_for_function("document.querySelectorAll('#charts .main-svg').length >= 3")
+    differing = page.locator("tr.differs").all_inner_texts()
+    assert any("trainer.lr" in row for row in differing)
+    assert any("trainer.steps" in row for row in differing)
+    names = page.evaluate("document.getElementById('chart-0').data.map(t => t.name)")
+    assert any("browser-run-2" in n for n in names) and any(n.startswith("browser-run ") for n in names)
+    page.screenshot(path=str(ARTIFACTS / "compare.png"), full_page=True)
+
+
+def test_other_users_runs_are_invisible_in_the_browser(page, live_server, run, bob):
+    from webapp.accounts.services import user_create  # noqa: F401 (bob fixture made the user)
+
+    page.goto(live_server.url + "/accounts/login/")
+    page.fill("input[name=username]", "bob")
+    page.fill("input[name=password]", "bob-pass-123")
+    page.click("button[type=submit]")
+    page.wait_for_url(live_server.url + "/")
+    assert "r1" not in page.locator("table.runs").inner_text()
+    resp = page.goto(f"{live_server.url}/runs/{run.id}/")
+    assert resp.status == 404

@@ -1,0 +1,58 @@
+"""`oolong runs ...` against the live web app (real HTTP, real database)."""
+
+import pytest
+import yaml
+
+from training_core.cli import main
+from webapp.runs.models import Run
+from webapp.runs.services import run_status_set
+from webapp.tracking.services import metrics_ingest
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def cli_env(monkeypatch, live_server, alice):
+    from webapp.accounts.services import token_get_or_create
+
+    monkeypatch.setenv("OOLONG_URL", live_server.url)
+    monkeypatch.setenv("OOLONG_TOKEN", token_get_or_create(user=alice))
+
+
+def test_create_list_cancel_compare_watch(cli_env, capsys, tmp_path, project, dataset_version, reward_version):
+    spec = tmp_path / "run.yaml"
+    spec.write_text(yaml.safe_dump({"trainer": {"steps": 3}}))
+    base = ["runs", "create", "--project", str(project.id), "--dataset-version", str(dataset_version.id),
+            "--reward-version", str(reward_version.id)]
+    assert main([*base, "--name", "cli-a", "--config", str(spec), "trainer.lr=0.01"]) == 0
+    assert main([*base, "--name", "cli-b", "--config", str(spec)]) == 0
+    a, b = Run.objects.get(name="cli-a"), Run.objects.get(name="cli-b")
+    assert a.spec["trainer"]["lr"] == 0.01 and a.spec["trainer"]["steps"] == 3
+
+    assert main(["runs", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "cli-a" in out and "cli-b" in out
+
+    metrics_ingest(run=a, points=[{"key": "reward/mean", "step": 3, "value": 0.75},
+                                  {"key": "version", "step": 3, "value": 3}])
+    assert main(["runs", "compare", str(a.id), str(b.id)]) == 0
+    out = capsys.readouterr().out
+    assert "0.7500" in out and "trainer.lr" in out
+
+    run_status_set(run=a, status="running")
+    run_status_set(run=a, status="succeeded")
+    assert main(["runs", "watch", str(a.id), "--interval", "0.1"]) == 0
+    assert "succeeded" in capsys.readouterr().out
+
+    assert main(["runs", "cancel", str(b.id)]) == 0
+    b.refresh_from_db()
+    assert b.status == "cancelled"
+
+
+def test_errors_are_printed_with_fields(cli_env, capsys, project, dataset_version, reward_version):
+    code = main(["runs", "create", "--project", str(project.id), "--dataset-version",
+                 str(dataset_version.id), "--reward-version", str(reward_version.id),
+                 "rollout.max_staleness=-2"])
+    assert code == 2
+    assert "spec.rollout.max_staleness" in capsys.readouterr().err
+    assert not Run.objects.exists()

@@ -1,0 +1,77 @@
+import pytest
+from rest_framework.test import APIClient
+
+from webapp.tracking.models import LatestMetric, MetricPoint
+from webapp.tracking.selectors import metric_series_get
+from webapp.tracking.services import metrics_ingest
+
+pytestmark = pytest.mark.django_db
+
+
+def _points(steps, key="reward/mean", f=lambda s: s / 10):
+    return [{"key": key, "step": s, "value": f(s), "time": 1000.0 + s} for s in steps]
+
+
+def test_ingest_is_idempotent_and_tracks_latest(run):
+    assert metrics_ingest(run=run, points=_points(range(10))) == 10
+    assert metrics_ingest(run=run, points=_points(range(10))) == 0  # a retried batch
+    assert metrics_ingest(run=run, points=_points(range(5, 15))) == 5
+    assert MetricPoint.objects.filter(run=run).count() == 15
+    latest = LatestMetric.objects.get(run=run, key="reward/mean")
+    assert latest.step == 14 and latest.value == pytest.approx(1.4)
+    metrics_ingest(run=run, points=_points([3]))  # an old point does not move "latest" back
+    assert LatestMetric.objects.get(run=run, key="reward/mean").step == 14
+
+
+def test_nan_points_are_skipped_and_bad_points_named(run):
+    from webapp.api.errors import ApplicationError
+
+    assert metrics_ingest(run=run, points=[{"key": "loss", "step": 1, "value": float("nan")}]) == 0
+    with pytest.raises(ApplicationError) as err:
+        metrics_ingest(run=run, points=[{"key": "loss", "step": "x", "value": 1}])
+    assert err.value.errors[0]["field"] == "points[0]"
+
+
+def test_series_downsampling_min_max_mean(run):
+    metrics_ingest(run=run, points=_points(range(1000), f=lambda s: float(s % 10)))
+    full = metric_series_get(run=run, key="reward/mean", buckets=5000)
+    assert not full["downsampled"] and len(full["step"]) == 1000
+    down = metric_series_get(run=run, key="reward/mean", buckets=100)
+    assert down["downsampled"] and len(down["step"]) == 100
+    assert down["min"][0] == 0.0 and down["max"][0] == 9.0 and down["mean"][0] == pytest.approx(4.5)
+    assert down["step"] == sorted(down["step"]) and down["step"][-1] == 999
+
+
+def test_ingest_api_with_run_token_and_isolation(run, api):
+    c = APIClient()
+    c.credentials(HTTP_AUTHORIZATION=f"Bearer {run.ingest_token}")
+    r = c.post("/api/ingest/metrics/", {"points": _points(range(3))}, format="json")
+    assert r.json() == {"inserted": 3, "received": 3}
+    assert c.post("/api/ingest/status/", {"status": "running"}, format="json").json()["status"] == "running"
+    ev = {"kind": "log", "message": "hello", "dedup_key": "k1"}
+    assert c.post("/api/ingest/events/", {"events": [ev, ev]}, format="json").json()["stored"] == 1
+    samples = [{"step": 2, "prompt": "1+1=", "completion": "2", "reward": 1.0, "tokens": ["2"],
+                "token_versions": [1]}]
+    assert c.post("/api/ingest/trajectories/", {"samples": samples}, format="json").json()["stored"] == 1
+    # the user-facing reads see it
+    series = api.get(f"/api/runs/{run.id}/metrics/?keys=reward/mean").json()["series"][0]
+    assert series["step"] == [0, 1, 2]
+    assert api.get(f"/api/runs/{run.id}/trajectories/").json()[0]["token_versions"] == [1]
+    # a wrong token is refused; a user token cannot post to ingest
+    bad = APIClient()
+    bad.credentials(HTTP_AUTHORIZATION="Bearer nope")
+    assert bad.post("/api/ingest/metrics/", {"points": []}, format="json").status_code == 401
+    assert api.post("/api/ingest/metrics/", {"points": []}, format="json").status_code in (401, 403)
+
+
+def test_compare_api(api, project, alice, dataset_version, reward_version, run):
+    from webapp.runs.services import run_create
+
+    other = run_create(project=project, user=alice, name="r2", dataset_version=dataset_version,
+                       reward_version=reward_version, spec={"trainer": {"steps": 9}})
+    metrics_ingest(run=run, points=_points(range(5)))
+    metrics_ingest(run=other, points=_points(range(5), f=lambda s: 1.0))
+    body = api.get(f"/api/runs/compare/?ids={run.id},{other.id}&keys=reward/mean").json()
+    assert {r["key"] for r in body["config_diff"] if r["differs"]} == {"name", "trainer.steps"}
+    assert body["latest"][str(other.id)]["reward/mean"] == 1.0
+    assert api.get(f"/api/runs/compare/?ids={run.id}").status_code == 400

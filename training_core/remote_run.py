@@ -1,0 +1,51 @@
+"""Prepare a run on a trainer node from the tracker's HTTP API, with only the run's ingest token.
+
+GPU-side processes never hold database credentials: the node fetches the resolved spec, the
+dataset rows and any user reward code over HTTP, writes them into the run directory and gets a
+spec file that ``oolong train --config`` runs, reporting back through the HTTP metrics sink.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+
+from training_core.config import RunSpec, dump_spec, spec_from_dict
+
+USER_REWARD = re.compile(r"^oolong_user_rewards\.(r\d+_v\d+):(\w+)$")
+
+
+def prepare_remote_run(tracker_url: str, token: str, run_dir: str | Path, *,
+                       timeout_s: float = 60.0) -> tuple[RunSpec, Path]:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    headers = {"Authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=tracker_url.rstrip("/"), headers=headers, timeout=timeout_s) as http:
+        info = http.get("/api/ingest/run/")
+        info.raise_for_status()
+        info = info.json()
+        with http.stream("GET", "/api/ingest/dataset/") as resp:
+            resp.raise_for_status()
+            with (run_dir / "dataset.jsonl").open("wb") as fh:
+                for chunk in resp.iter_bytes():
+                    fh.write(chunk)
+    spec = dict(info["spec"])
+    spec["run_dir"] = str(run_dir)
+    spec["data"] = {**spec.get("data", {}), "source": f"jsonl:{run_dir / 'dataset.jsonl'}"}
+    metrics = dict(spec.get("metrics", {}))
+    sinks = list(dict.fromkeys([*metrics.get("sinks", ["jsonl"]), "http"]))
+    spec["metrics"] = {**metrics, "sinks": sinks, "tracker_url": tracker_url, "tracker_token": token}
+    match = USER_REWARD.match(info["reward"]["fn"])
+    if match and info["reward"].get("source"):
+        # User reward code becomes an importable module inside the run directory; the trainer's
+        # reward workers import it by path (run_dir is put on PYTHONPATH by the launcher).
+        pkg = run_dir / "oolong_user_rewards"
+        pkg.mkdir(exist_ok=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / f"{match.group(1)}.py").write_text(info["reward"]["source"])
+    resolved = spec_from_dict(spec)
+    path = run_dir / "spec.yaml"
+    dump_spec(resolved, path)
+    return resolved, path

@@ -1,0 +1,164 @@
+"""A MetricsSink that delivers to the web app's tracker over HTTP, and never loses a point.
+
+Every ``log``/``event`` is appended to a local spool file first (fsync'd JSON lines), then a
+background thread posts spooled records in batches with the run's ingest token. The tracker's
+ingest is idempotent ((run, key, step) is unique; events carry a dedup key), so a batch that is
+retried after a timeout never duplicates anything. While the web app is unreachable the spool
+grows; when it comes back everything is delivered in order. On ``close`` the sink tries to drain
+the spool for ``close_timeout_s``; what is left stays on disk and is delivered by the next sink
+opened on the same spool directory (e.g. after a resume).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+
+class HttpSink:
+    def __init__(self, base_url: str | None, token: str | None, *, spool_dir: str | Path,
+                 flush_interval_s: float = 1.0, batch_size: int = 2000,
+                 close_timeout_s: float = 30.0, timeout_s: float = 10.0):
+        if not base_url or not token:
+            raise ValueError("the http metrics sink needs metrics.tracker_url and metrics.tracker_token")
+        self.base = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.spool_dir = Path(spool_dir)
+        self.spool_dir.mkdir(parents=True, exist_ok=True)
+        self.spool = self.spool_dir / "pending.jsonl"
+        self.cursor_file = self.spool_dir / "delivered.offset"
+        self.flush_interval_s = flush_interval_s
+        self.batch_size = batch_size
+        self.close_timeout_s = close_timeout_s
+        self._client = httpx.Client(timeout=timeout_s)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self.delivered = 0
+        self.failures = 0
+        self._thread = threading.Thread(target=self._run, name="http-sink", daemon=True)
+        self._thread.start()
+
+    # ---- MetricsSink ---------------------------------------------------------------------
+
+    def _append(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, default=str) + "\n"
+        with self._lock, self.spool.open("a") as fh:
+            fh.write(line)
+            fh.flush()
+            os.fsync(fh.fileno())
+        self._wake.set()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        now = time.time()
+        self._append({"type": "metrics", "points": [
+            {"key": k, "step": step, "value": v, "time": now}
+            for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]})
+
+    def event(self, kind: str, message: str, **data: Any) -> None:
+        self._append({"type": "event", "event": {"kind": kind, "message": message, "data": data,
+                                                 "dedup_key": uuid.uuid4().hex}})
+
+    def trajectories(self, step: int, samples: list[dict[str, Any]]) -> None:
+        self._append({"type": "trajectories", "samples": [{"step": step, **x} for x in samples]})
+
+    def status(self, status: str, reason: str = "") -> None:
+        self._append({"type": "status", "status": status, "reason": reason})
+
+    def close(self) -> None:
+        deadline = time.monotonic() + self.close_timeout_s
+        while self.pending() and time.monotonic() < deadline:
+            self._wake.set()
+            time.sleep(0.1)
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self._client.close()
+        if self.pending():
+            log.warning("tracker unreachable: %d records kept in %s for later delivery",
+                        self.pending(), self.spool)
+
+    # ---- delivery ------------------------------------------------------------------------
+
+    def _offset(self) -> int:
+        try:
+            return int(self.cursor_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def _read_pending(self) -> tuple[list[dict[str, Any]], int]:
+        offset = self._offset()
+        if not self.spool.exists():
+            return [], offset
+        records, end = [], offset
+        with self._lock, self.spool.open("rb") as fh:
+            fh.seek(offset)
+            for raw in fh:
+                if not raw.endswith(b"\n"):
+                    break  # a record still being written
+                records.append(json.loads(raw))
+                end += len(raw)
+                if len(records) >= self.batch_size:
+                    break
+        return records, end
+
+    def pending(self) -> int:
+        records, _ = self._read_pending()
+        return len(records)
+
+    def _post(self, path: str, payload: dict[str, Any]) -> None:
+        resp = self._client.post(self.base + path, json=payload, headers=self.headers)
+        if resp.status_code >= 500:
+            raise httpx.HTTPStatusError(f"{resp.status_code}", request=resp.request, response=resp)
+        if resp.status_code >= 400:
+            # A client error will not heal by retrying: record it and move on.
+            log.error("tracker rejected %s: %s %s", path, resp.status_code, resp.text[:300])
+
+    def _deliver(self, records: list[dict[str, Any]]) -> None:
+        points = [p for r in records if r["type"] == "metrics" for p in r["points"]]
+        if points:
+            self._post("/api/ingest/metrics/", {"points": points})
+        events = [r["event"] for r in records if r["type"] == "event"]
+        if events:
+            self._post("/api/ingest/events/", {"events": events})
+        samples = [x for r in records if r["type"] == "trajectories" for x in r["samples"]]
+        if samples:
+            self._post("/api/ingest/trajectories/", {"samples": samples})
+        for r in records:
+            if r["type"] == "status":
+                self._post("/api/ingest/status/", {"status": r["status"], "reason": r["reason"]})
+
+    def _run(self) -> None:
+        backoff = self.flush_interval_s
+        while True:
+            self._wake.wait(timeout=backoff)
+            self._wake.clear()
+            records, end = self._read_pending()
+            if records:
+                try:
+                    self._deliver(records)
+                except httpx.HTTPError as exc:
+                    self.failures += 1
+                    backoff = min(backoff * 2, 30.0)
+                    log.warning("tracker unreachable (%s); %d records spooled", exc, len(records))
+                    if self._stop:
+                        return
+                    continue
+                self.cursor_file.write_text(str(end))
+                self.delivered += len(records)
+                backoff = self.flush_interval_s
+                if self._read_pending()[0]:
+                    self._wake.set()
+                continue
+            if self._stop:
+                return

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from django.contrib.auth import get_user_model
+from django.db import transaction
+from django.utils.text import slugify
+from rest_framework.authtoken.models import Token
+
+from webapp.accounts.models import Membership, Project
+from webapp.api.errors import ApplicationError
+
+
+@transaction.atomic
+def user_create(*, username: str, password: str, email: str = ""):
+    User = get_user_model()
+    if User.objects.filter(username=username).exists():
+        raise ApplicationError("username is taken", field="username")
+    user = User.objects.create_user(username=username, password=password, email=email)
+    Token.objects.create(user=user)
+    return user
+
+
+@transaction.atomic
+def project_create(*, user, name: str, slug: str | None = None) -> Project:
+    slug = slug or slugify(name)
+    if not slug:
+        raise ApplicationError("name must contain letters or digits", field="name")
+    if Project.objects.filter(slug=slug).exists():
+        raise ApplicationError(f"a project with slug {slug!r} exists", field="slug")
+    project = Project.objects.create(name=name, slug=slug)
+    Membership.objects.create(user=user, project=project, role=Membership.Role.OWNER)
+    return project
+
+
+def membership_add(*, project: Project, user, role: str = Membership.Role.MEMBER) -> Membership:
+    membership, _ = Membership.objects.get_or_create(project=project, user=user,
+                                                     defaults={"role": role})
+    return membership
+
+
+def token_get_or_create(*, user) -> str:
+    return Token.objects.get_or_create(user=user)[0].key

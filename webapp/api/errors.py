@@ -1,0 +1,59 @@
+"""Errors as JSON with the field and the reason: {"errors": [{"field": ..., "message": ...}]}."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import PermissionDenied
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.http import Http404
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+from rest_framework.views import exception_handler as drf_exception_handler
+
+
+class ApplicationError(Exception):
+    """Raised by services for bad input. ``errors`` is a list of {field, message, ...}."""
+
+    def __init__(self, message: str, *, field: str | None = None,
+                 errors: list[dict[str, Any]] | None = None, status_code: int = 400):
+        super().__init__(message)
+        self.message = message
+        self.errors = errors or [{"field": field, "message": message}]
+        self.status_code = status_code
+
+
+def _flatten(detail: Any, prefix: str = "") -> list[dict[str, Any]]:
+    if isinstance(detail, dict):
+        out = []
+        for key, value in detail.items():
+            name = key if not prefix else f"{prefix}.{key}"
+            out += _flatten(value, "" if key == "non_field_errors" else name)
+        return out
+    if isinstance(detail, list):
+        out = []
+        for item in detail:
+            out += _flatten(item, prefix)
+        return out
+    return [{"field": prefix or None, "message": str(detail)}]
+
+
+def exception_handler(exc: Exception, context: dict) -> Response | None:
+    if isinstance(exc, ApplicationError):
+        return Response({"message": exc.message, "errors": exc.errors}, status=exc.status_code)
+    if isinstance(exc, DjangoValidationError):
+        exc = exceptions.ValidationError(getattr(exc, "message_dict", None) or exc.messages)
+    if isinstance(exc, Http404):
+        exc = exceptions.NotFound(str(exc) or "not found")
+    if isinstance(exc, PermissionDenied):
+        exc = exceptions.PermissionDenied()
+    response = drf_exception_handler(exc, context)
+    if response is None:
+        return None
+    errors = _flatten(response.data)
+    message = errors[0]["message"] if errors else "error"
+    response.data = {"message": message, "errors": errors}
+    if response.status_code == status.HTTP_400_BAD_REQUEST:
+        response.data["message"] = "invalid input: " + "; ".join(
+            f"{e['field']}: {e['message']}" if e["field"] else e["message"] for e in errors[:5])
+    return response

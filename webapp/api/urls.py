@@ -1,0 +1,37 @@
+from django.urls import path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework.authtoken.views import obtain_auth_token
+
+from webapp.accounts import apis as accounts
+from webapp.api.views import combine
+from webapp.datasets import apis as datasets
+from webapp.rewards import apis as rewards
+from webapp.runs import apis as runs
+from webapp.tracking import apis as tracking
+
+urlpatterns = [
+    path("schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    path("auth/token/", obtain_auth_token, name="api-token"),
+    path("projects/", combine("ProjectsApi", accounts.ProjectCreateApi, accounts.ProjectListApi).as_view()),
+    path("datasets/", combine("DatasetsApi", datasets.DatasetUploadApi, datasets.DatasetListApi).as_view()),
+    path("datasets/builtin/", datasets.DatasetBuiltinCreateApi.as_view()),
+    path("datasets/<int:dataset_id>/", datasets.DatasetDetailApi.as_view()),
+    path("dataset-versions/<int:version_id>/", datasets.DatasetVersionDetailApi.as_view()),
+    path("rewards/", combine("RewardsApi", rewards.RewardCreateApi, rewards.RewardListApi).as_view()),
+    path("rewards/<int:reward_id>/", rewards.RewardDetailApi.as_view()),
+    path("runs/", combine("RunsApi", runs.RunCreateApi, runs.RunListApi).as_view()),
+    path("runs/compare/", runs.RunCompareApi.as_view()),
+    path("runs/<int:run_id>/", runs.RunDetailApi.as_view()),
+    path("runs/<int:run_id>/cancel/", runs.RunCancelApi.as_view()),
+    path("runs/<int:run_id>/events/", runs.RunEventsApi.as_view()),
+    path("runs/<int:run_id>/metrics/", runs.RunMetricsApi.as_view()),
+    path("runs/<int:run_id>/trajectories/", runs.RunTrajectoriesApi.as_view()),
+    path("ingest/run/", tracking.RunInfoIngestApi.as_view()),
+    path("ingest/dataset/", tracking.DatasetRowsIngestApi.as_view()),
+    path("ingest/metrics/", tracking.MetricsIngestApi.as_view()),
+    path("ingest/events/", tracking.EventsIngestApi.as_view()),
+    path("ingest/status/", tracking.StatusIngestApi.as_view()),
+    path("ingest/trajectories/", tracking.TrajectoriesIngestApi.as_view()),
+    path("ingest/checkpoints/", tracking.CheckpointIngestApi.as_view()),
+]

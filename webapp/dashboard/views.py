@@ -1,0 +1,151 @@
+"""Server-rendered pages. Views only parse, call one service/selector and render; charts fetch
+downsampled series from the REST API and refresh while a run is live."""
+
+from __future__ import annotations
+
+import json
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_POST
+
+from webapp.accounts.selectors import project_get_for_user, project_list
+from webapp.api.errors import ApplicationError
+from webapp.datasets.selectors import dataset_get, dataset_list, dataset_version_get
+from webapp.datasets.services import dataset_upload
+from webapp.rewards.selectors import reward_function_get, reward_function_list, reward_version_get
+from webapp.runs.models import Run
+from webapp.runs.selectors import run_config_diff, run_get, run_list
+from webapp.runs.services import run_cancel, run_create
+from webapp.tracking.selectors import latest_metrics, latest_metrics_for_runs, trajectory_steps
+
+CHARTS = [
+    ("Reward and accuracy", ["reward/mean", "reward/accuracy", "eval/accuracy"]),
+    ("Response length", ["response_length/mean", "response_length/max"]),
+    ("Staleness (policy version lag)", ["staleness/mean", "staleness/max"]),
+    ("Version lag distribution (fraction of tokens)", [f"staleness/lag_{k}_frac" for k in range(5)]),
+    ("Throughput (tokens/s)", ["tokens_per_s"]),
+    ("Generation vs training time (s)", ["time/generation_wait_s", "time/training_s",
+                                         "time/weight_sync_pause_s"]),
+    ("Loss", ["loss"]),
+    ("Clip fraction", ["clip_frac"]),
+    ("Behaviour weights", ["behav_weight/mean", "behav_weight/max", "behav_weight/masked_frac"]),
+    ("Grad norm", ["grad_norm"]),
+    ("Weight version", ["version"]),
+]
+LIST_KEYS = ["reward/mean", "eval/accuracy", "staleness/mean", "tokens_per_s"]
+
+
+@login_required
+def run_list_view(request: HttpRequest) -> HttpResponse:
+    status = request.GET.get("status") or None
+    search = request.GET.get("q") or None
+    project = request.GET.get("project")
+    runs = list(run_list(user=request.user, status=status, search=search,
+                         project_id=int(project) if project else None)[:200])
+    latest = latest_metrics_for_runs(runs=runs, keys=LIST_KEYS)
+    rows = [{"run": r, "metrics": [latest[r.id].get(k) for k in LIST_KEYS]} for r in runs]
+    return render(request, "dashboard/run_list.html", {
+        "rows": rows, "keys": LIST_KEYS, "statuses": Run.Status.values, "status": status,
+        "q": search or "", "projects": project_list(user=request.user)})
+
+
+@login_required
+def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
+    run = run_get(user=request.user, run_id=run_id)
+    return render(request, "dashboard/run_detail.html", {
+        "run": run, "charts": CHARTS, "charts_json": json.dumps(CHARTS),
+        "latest": sorted(latest_metrics(run=run).items()), "events": run.events.order_by("-id")[:100],
+        "live": run.status not in Run.TERMINAL, "steps": trajectory_steps(run=run),
+        "spec_json": json.dumps(run.spec, indent=2)})
+
+
+@login_required
+@require_POST
+def run_cancel_view(request: HttpRequest, run_id: int) -> HttpResponse:
+    try:
+        run_cancel(run=run_get(user=request.user, run_id=run_id), user=request.user)
+        messages.success(request, "cancellation requested")
+    except ApplicationError as exc:
+        messages.error(request, exc.message)
+    return redirect("run-detail", run_id=run_id)
+
+
+@login_required
+def run_compare(request: HttpRequest) -> HttpResponse:
+    ids = [int(x) for x in request.GET.getlist("ids") if x.isdigit()]
+    ids += [int(x) for x in request.GET.get("id_list", "").split(",") if x.strip().isdigit()]
+    runs = [run_get(user=request.user, run_id=i) for i in dict.fromkeys(ids)]
+    return render(request, "dashboard/compare.html", {
+        "runs": runs, "diff": run_config_diff(runs=runs) if len(runs) >= 2 else [],
+        "charts": CHARTS[:6], "charts_json": json.dumps(CHARTS[:6]),
+        "run_ids_json": json.dumps([r.id for r in runs]),
+        "all_runs": run_list(user=request.user)[:100]})
+
+
+@login_required
+def run_new(request: HttpRequest) -> HttpResponse:
+    projects = project_list(user=request.user)
+    ctx = {"projects": projects, "datasets": dataset_list(user=request.user).prefetch_related("versions"),
+           "rewards": reward_function_list(user=request.user), "errors": [],
+           "spec_text": request.POST.get("spec", "trainer:\n  steps: 20\n")}
+    if request.method == "POST":
+        import yaml
+
+        try:
+            project = project_get_for_user(user=request.user, project_id=int(request.POST["project"]))
+            spec = yaml.safe_load(request.POST.get("spec") or "{}") or {}
+            run = run_create(
+                project=project, user=request.user, name=request.POST.get("name", "").strip() or "run",
+                dataset_version=dataset_version_get(user=request.user, version_id=int(request.POST["dataset_version"])),
+                reward_version=reward_version_get(user=request.user, version_id=int(request.POST["reward_version"])),
+                spec=spec)
+            return redirect("run-detail", run_id=run.id)
+        except ApplicationError as exc:
+            ctx["errors"] = exc.errors
+        except (KeyError, ValueError, yaml.YAMLError) as exc:
+            ctx["errors"] = [{"field": "form", "message": f"missing or invalid input: {exc}"}]
+    return render(request, "dashboard/run_new.html", ctx)
+
+
+@login_required
+def dataset_list_view(request: HttpRequest) -> HttpResponse:
+    ctx = {"datasets": dataset_list(user=request.user).select_related("project"),
+           "projects": project_list(user=request.user), "errors": []}
+    if request.method == "POST":
+        upload = request.FILES.get("file")
+        try:
+            if upload is None:
+                raise ApplicationError("choose a file to upload", field="file")
+            project = project_get_for_user(user=request.user, project_id=int(request.POST["project"]))
+            version = dataset_upload(project=project, user=request.user,
+                                     name=request.POST.get("name", "").strip(),
+                                     task=request.POST.get("task", "qa"), filename=upload.name,
+                                     data=upload.read())
+            messages.success(request, f"stored {version} ({version.row_count} rows)")
+            return redirect("dataset-detail", dataset_id=version.dataset_id)
+        except ApplicationError as exc:
+            ctx["errors"] = exc.errors
+    return render(request, "dashboard/dataset_list.html", ctx)
+
+
+@login_required
+def dataset_detail(request: HttpRequest, dataset_id: int) -> HttpResponse:
+    dataset = dataset_get(user=request.user, dataset_id=dataset_id)
+    versions = list(dataset.versions.all())
+    return render(request, "dashboard/dataset_detail.html", {"dataset": dataset, "versions": versions,
+                                                              "latest": versions[0] if versions else None})
+
+
+@login_required
+def reward_list_view(request: HttpRequest) -> HttpResponse:
+    return render(request, "dashboard/reward_list.html",
+                  {"rewards": reward_function_list(user=request.user).select_related("project")})
+
+
+@login_required
+def reward_detail(request: HttpRequest, reward_id: int) -> HttpResponse:
+    rf = reward_function_get(user=request.user, reward_id=reward_id)
+    return render(request, "dashboard/reward_detail.html", {"reward": rf, "versions": rf.versions.all()})

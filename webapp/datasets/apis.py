@@ -1,0 +1,96 @@
+from rest_framework import serializers
+from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from webapp.accounts.selectors import project_get_for_user
+from webapp.datasets.models import Dataset
+from webapp.datasets.selectors import dataset_get, dataset_list, dataset_version_get
+from webapp.datasets.services import BUILTINS, dataset_create_builtin, dataset_upload
+
+
+class DatasetVersionOutput(serializers.Serializer):
+    id = serializers.IntegerField()
+    version = serializers.IntegerField()
+    source = serializers.CharField()
+    file_format = serializers.CharField()
+    checksum = serializers.CharField()
+    row_count = serializers.IntegerField()
+    stats = serializers.JSONField()
+    created_at = serializers.DateTimeField()
+
+
+class DatasetVersionDetailOutput(DatasetVersionOutput):
+    dataset_id = serializers.IntegerField()
+    preview = serializers.JSONField()
+
+
+class DatasetOutput(serializers.Serializer):
+    id = serializers.IntegerField()
+    project_id = serializers.IntegerField()
+    name = serializers.CharField()
+    task = serializers.CharField()
+    description = serializers.CharField()
+    versions = DatasetVersionOutput(many=True, source="versions.all")
+
+
+class DatasetListApi(APIView):
+    def get(self, request):
+        project = request.query_params.get("project")
+        qs = dataset_list(user=request.user, project_id=int(project) if project else None)
+        return Response(DatasetOutput(qs.prefetch_related("versions"), many=True).data)
+
+
+class DatasetUploadApi(APIView):
+    """Upload JSONL, Parquet or CSV; a second upload with the same name adds a version."""
+
+    parser_classes = [MultiPartParser, FormParser]
+
+    class InputSerializer(serializers.Serializer):
+        project = serializers.IntegerField()
+        name = serializers.CharField(max_length=100)
+        task = serializers.ChoiceField(choices=Dataset.Task.values)
+        file = serializers.FileField()
+        file_format = serializers.ChoiceField(choices=["jsonl", "parquet", "csv"], required=False)
+        description = serializers.CharField(required=False, allow_blank=True, default="")
+
+    def post(self, request):
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        project = project_get_for_user(user=request.user, project_id=v["project"])
+        upload = v["file"]
+        version = dataset_upload(project=project, user=request.user, name=v["name"], task=v["task"],
+                                 filename=upload.name, data=upload.read(),
+                                 file_format=v.get("file_format"), description=v["description"])
+        return Response(DatasetVersionDetailOutput(version).data, status=201)
+
+
+class DatasetBuiltinCreateApi(APIView):
+    parser_classes = [JSONParser]
+
+    class InputSerializer(serializers.Serializer):
+        project = serializers.IntegerField()
+        name = serializers.CharField(max_length=100)
+        builtin = serializers.ChoiceField(choices=sorted(BUILTINS))
+        size = serializers.IntegerField(min_value=10, max_value=100_000, default=2000)
+        seed = serializers.IntegerField(default=0)
+
+    def post(self, request):
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        project = project_get_for_user(user=request.user, project_id=v.pop("project"))
+        version = dataset_create_builtin(project=project, user=request.user, **v)
+        return Response(DatasetVersionDetailOutput(version).data, status=201)
+
+
+class DatasetDetailApi(APIView):
+    def get(self, request, dataset_id: int):
+        return Response(DatasetOutput(dataset_get(user=request.user, dataset_id=dataset_id)).data)
+
+
+class DatasetVersionDetailApi(APIView):
+    def get(self, request, version_id: int):
+        version = dataset_version_get(user=request.user, version_id=version_id)
+        return Response(DatasetVersionDetailOutput(version).data)

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from django.db.models import Count, Max, QuerySet
+from django.http import Http404
+
+from webapp.datasets.models import Dataset, DatasetVersion
+
+
+def dataset_list(*, user, project_id: int | None = None) -> QuerySet[Dataset]:
+    qs = Dataset.objects.filter(project__membership__user=user)
+    if project_id is not None:
+        qs = qs.filter(project_id=project_id)
+    return qs.annotate(version_count=Count("versions"), latest_version=Max("versions__version"))
+
+
+def dataset_get(*, user, dataset_id: int) -> Dataset:
+    try:
+        return dataset_list(user=user).get(id=dataset_id)
+    except Dataset.DoesNotExist:
+        raise Http404("dataset not found") from None
+
+
+def dataset_version_get(*, user, version_id: int) -> DatasetVersion:
+    try:
+        return DatasetVersion.objects.select_related("dataset__project").get(
+            id=version_id, dataset__project__membership__user=user)
+    except DatasetVersion.DoesNotExist:
+        raise Http404("dataset version not found") from None
+
+
+def dataset_version_rows(*, version: DatasetVersion, limit: int | None = None) -> list[dict]:
+    rows = []
+    with Path(version.rows_path).open(encoding="utf-8") as fh:
+        for line in fh:
+            rows.append(json.loads(line))
+            if limit is not None and len(rows) >= limit:
+                break
+    return rows

@@ -1,0 +1,62 @@
+from rest_framework import serializers
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from webapp.accounts.selectors import project_get_for_user
+from webapp.rewards.selectors import reward_function_get, reward_function_list
+from webapp.rewards.services import reward_function_create
+
+
+class RewardVersionOutput(serializers.Serializer):
+    id = serializers.IntegerField()
+    version = serializers.IntegerField()
+    builtin_name = serializers.CharField()
+    entrypoint = serializers.CharField()
+    status = serializers.CharField()
+    validation_report = serializers.JSONField()
+    fn_path = serializers.CharField()
+    created_at = serializers.DateTimeField()
+
+
+class RewardOutput(serializers.Serializer):
+    id = serializers.IntegerField()
+    project_id = serializers.IntegerField()
+    name = serializers.CharField()
+    kind = serializers.CharField()
+    description = serializers.CharField()
+    versions = RewardVersionOutput(many=True, source="versions.all")
+
+
+class RewardListApi(APIView):
+    def get(self, request):
+        project = request.query_params.get("project")
+        qs = reward_function_list(user=request.user, project_id=int(project) if project else None)
+        return Response(RewardOutput(qs, many=True).data)
+
+
+class RewardCreateApi(APIView):
+    """A built-in (``builtin``) or user code (``source`` + ``entrypoint``), validated by a worker."""
+
+    class InputSerializer(serializers.Serializer):
+        project = serializers.IntegerField()
+        name = serializers.CharField(max_length=100)
+        builtin = serializers.CharField(required=False, allow_blank=True)
+        source = serializers.CharField(required=False, allow_blank=True, trim_whitespace=False)
+        entrypoint = serializers.CharField(required=False, default="reward")
+        description = serializers.CharField(required=False, allow_blank=True, default="")
+
+    def post(self, request):
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        project = project_get_for_user(user=request.user, project_id=v.pop("project"))
+        version = reward_function_create(project=project, user=request.user, name=v["name"],
+                                         builtin=v.get("builtin") or None,
+                                         source=v.get("source") or None,
+                                         entrypoint=v["entrypoint"], description=v["description"])
+        return Response(RewardVersionOutput(version).data, status=201)
+
+
+class RewardDetailApi(APIView):
+    def get(self, request, reward_id: int):
+        return Response(RewardOutput(reward_function_get(user=request.user, reward_id=reward_id)).data)

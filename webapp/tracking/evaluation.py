@@ -1,0 +1,53 @@
+"""Offline evaluation of a run's weights on held-out rows (a worker job: it loads a model)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from webapp.runs.models import Run
+from webapp.runs.services import run_event_add
+from webapp.tracking.services import metrics_ingest
+
+
+def _run_dir(run: Run) -> Path:
+    return Path(os.environ.get("OOLONG_RUNS_DIR", Path.cwd() / "runs")) / "flows" / f"run-{run.id}"
+
+
+def checkpoint_evaluate(*, run_id: int, checkpoint_step: int | None = None, limit: int = 200) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    from training_core.models.loading import load_model, load_tokenizer, resolve_model_dir
+    from training_core.rewards.registry import resolve_reward
+    from webapp.datasets.selectors import dataset_version_rows
+
+    run = Run.objects.select_related("dataset_version", "reward_version").get(id=run_id)
+    run_dir = _run_dir(run)
+    weights = sorted((int(d.name[1:]), d) for d in (run_dir / "weights").glob("v*") if d.name[1:].isdigit())
+    if not weights:
+        raise FileNotFoundError(f"no pushed weights under {run_dir / 'weights'}")
+    version, wdir = weights[-1] if checkpoint_step is None else next(
+        w for w in weights if w[0] == checkpoint_step)
+    base = run_dir / "initial_model"
+    base = base if (base / "config.json").exists() else resolve_model_dir(run.spec["model"]["path"])
+    model, tok = load_model(base).eval(), load_tokenizer(base)
+    model.load_state_dict(load_file(str(wdir / "model.safetensors")), strict=False)
+    model.tie_weights()
+    reward = resolve_reward(run.reward_version.fn_path) if run.reward_version.builtin_name else None
+    if reward is None:
+        raise ValueError("offline evaluation of user-code rewards runs in the sandbox: not supported yet")
+    rows = dataset_version_rows(version=run.dataset_version)[-limit:]
+    template = run.spec["data"]["prompt_template"]
+    scores = []
+    with torch.no_grad():
+        for row in rows:
+            ids = tok.encode(template.format(**row), add_special_tokens=False, return_tensors="pt")
+            out = model.generate(ids, max_new_tokens=run.spec["rollout"]["max_new_tokens"], do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+            scores.append(float(reward(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), row)))
+    accuracy = sum(s >= 1.0 - 1e-6 for s in scores) / max(len(scores), 1)
+    metrics_ingest(run=run, points=[{"key": "offline_eval/accuracy", "step": version, "value": accuracy}])
+    run_event_add(run=run, kind="evaluation", message=f"offline eval of v{version}: accuracy {accuracy:.3f} "
+                                                      f"on {len(scores)} rows")
+    return {"version": version, "accuracy": accuracy, "rows": len(scores)}

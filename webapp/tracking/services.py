@@ -1,0 +1,108 @@
+"""Ingest from trainers. Every write is idempotent: a retried batch never duplicates anything."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from django.db import connection, transaction
+
+from webapp.api.errors import ApplicationError
+from webapp.runs.models import Run
+from webapp.tracking.models import Artifact, Checkpoint, LatestMetric, MetricPoint, TrajectorySample
+
+MAX_POINTS_PER_BATCH = 50_000
+
+
+def _clean_points(points: list[dict[str, Any]]) -> list[tuple[str, int, float, float]]:
+    if len(points) > MAX_POINTS_PER_BATCH:
+        raise ApplicationError(f"at most {MAX_POINTS_PER_BATCH} points per batch", field="points")
+    out = []
+    now = time.time()
+    for i, p in enumerate(points):
+        try:
+            key, step, value = str(p["key"]), int(p["step"]), float(p["value"])
+        except (KeyError, TypeError, ValueError):
+            raise ApplicationError("each point needs key (text), step (integer), value (number)",
+                                   field=f"points[{i}]") from None
+        if not key or len(key) > 100:
+            raise ApplicationError("key must be 1-100 characters", field=f"points[{i}].key")
+        if math.isnan(value) or math.isinf(value):
+            continue  # not plottable; a NaN loss is reported as an event by the trainer
+        out.append((key, step, value, float(p.get("time") or now)))
+    return out
+
+
+def metrics_ingest(*, run: Run, points: list[dict[str, Any]]) -> int:
+    """Insert points, ignoring any (run, key, step) already stored. Returns the number new."""
+    rows = _clean_points(points)
+    if not rows:
+        return 0
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            inserted = _ingest_postgres(run.id, rows)
+        else:
+            before = MetricPoint.objects.filter(run=run).count()
+            MetricPoint.objects.bulk_create(
+                [MetricPoint(run_id=run.id, key=k, step=s, value=v, wall_time=t) for k, s, v, t in rows],
+                ignore_conflicts=True, batch_size=2000)
+            inserted = MetricPoint.objects.filter(run=run).count() - before
+        _latest_upsert(run, rows)
+    return inserted
+
+
+def _ingest_postgres(run_id: int, rows: list[tuple[str, int, float, float]]) -> int:
+    # One statement with arrays: far faster than row-by-row ORM inserts, still idempotent.
+    keys, steps, values, times = (list(c) for c in zip(*rows, strict=True))
+    table = MetricPoint._meta.db_table
+    with connection.cursor() as cur:
+        cur.execute(
+            f"INSERT INTO {table} (run_id, key, step, value, wall_time) "
+            "SELECT %s, k, s, v, t FROM unnest(%s::text[], %s::bigint[], %s::float8[], %s::float8[]) "
+            "AS u(k, s, v, t) ON CONFLICT (run_id, key, step) DO NOTHING",
+            [run_id, keys, steps, values, times])
+        return cur.rowcount
+
+
+def _latest_upsert(run: Run, rows: list[tuple[str, int, float, float]]) -> None:
+    latest: dict[str, tuple[int, float]] = {}
+    for key, step, value, _ in rows:
+        if key not in latest or step >= latest[key][0]:
+            latest[key] = (step, value)
+    existing = {m.key: m for m in LatestMetric.objects.select_for_update().filter(run=run, key__in=latest)}
+    create, update = [], []
+    for key, (step, value) in latest.items():
+        cur = existing.get(key)
+        if cur is None:
+            create.append(LatestMetric(run=run, key=key, step=step, value=value))
+        elif step >= cur.step:
+            cur.step, cur.value = step, value
+            update.append(cur)
+    LatestMetric.objects.bulk_create(create, ignore_conflicts=True)
+    if update:
+        LatestMetric.objects.bulk_update(update, ["step", "value"])
+
+
+def trajectories_ingest(*, run: Run, samples: list[dict[str, Any]]) -> int:
+    objs = []
+    for i, s in enumerate(samples):
+        try:
+            objs.append(TrajectorySample(
+                run=run, step=int(s["step"]), index=int(s.get("index", i)), prompt=str(s["prompt"]),
+                completion=str(s["completion"]), reward=float(s["reward"]),
+                tokens=list(s.get("tokens", [])), token_versions=list(s.get("token_versions", [])),
+                info=dict(s.get("info", {}))))
+        except (KeyError, TypeError, ValueError):
+            raise ApplicationError("each sample needs step, prompt, completion, reward",
+                                   field=f"samples[{i}]") from None
+    return len(TrajectorySample.objects.bulk_create(objs, ignore_conflicts=True))
+
+
+def checkpoint_record(*, run: Run, step: int, version: int, path: str) -> Checkpoint:
+    return Checkpoint.objects.update_or_create(run=run, step=step,
+                                               defaults={"version": version, "path": path})[0]
+
+
+def artifact_record(*, run: Run, name: str, uri: str, kind: str = "file") -> Artifact:
+    return Artifact.objects.update_or_create(run=run, name=name, defaults={"uri": uri, "kind": kind})[0]

@@ -1,0 +1,1 @@
+"""Celery workers: short jobs for the web app (thin, idempotent tasks over webapp services)."""

@@ -1,0 +1,66 @@
+"""Celery tasks: thin, idempotent, ids in, one service call each (imported inside the body so a
+worker starts fast and the web app can import this module cheaply)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import shared_task
+from django.db import OperationalError
+
+
+@shared_task(name="oolong.run_submit", bind=True, max_retries=5, default_retry_delay=5,
+             autoretry_for=(OperationalError, ConnectionError), retry_backoff=True)
+def run_submit(self, run_id: int) -> str | None:
+    """Start the run's Prefect flow. Safe to run twice: a run already submitted is left alone."""
+    from webapp.runs.orchestration import run_submit_to_orchestrator
+
+    return run_submit_to_orchestrator(run_id=run_id)
+
+
+@shared_task(name="oolong.run_cancel", bind=True, max_retries=5, default_retry_delay=2,
+             autoretry_for=(OperationalError, ConnectionError), retry_backoff=True)
+def run_cancel(self, run_id: int) -> None:
+    from webapp.runs.orchestration import run_cancel_in_orchestrator
+
+    run_cancel_in_orchestrator(run_id=run_id)
+
+
+@shared_task(name="oolong.runs_reconcile")
+def runs_reconcile() -> int:
+    """Periodic: runs the orchestrator lost (crashed flows, lost workers) are failed with a reason."""
+    from webapp.runs.orchestration import runs_reconcile as reconcile
+
+    return reconcile()
+
+
+@shared_task(name="oolong.reward_validate", acks_late=True)
+def reward_validate(version_id: int) -> dict:
+    """Run user reward code in the sandbox against sample rows and record the report."""
+    from webapp.rewards.validation import reward_version_validate
+
+    return reward_version_validate(version_id=version_id)
+
+
+@shared_task(name="oolong.reward_score", acks_late=True)
+def reward_score(fn_path: str, source: str, completion: str, item: dict[str, Any]) -> dict:
+    """The remote reward backend: trainers fan expensive rewards out to this worker pool."""
+    from webapp.rewards.validation import reward_score_remote
+
+    return reward_score_remote(fn_path=fn_path, source=source, completion=completion, item=item)
+
+
+@shared_task(name="oolong.dataset_validate")
+def dataset_validate(version_id: int) -> dict:
+    """Re-check a stored dataset version against its task schema (e.g. after a schema change)."""
+    from webapp.datasets.services import dataset_version_revalidate
+
+    return dataset_version_revalidate(version_id=version_id)
+
+
+@shared_task(name="oolong.evaluation_run", acks_late=True)
+def evaluation_run(run_id: int, checkpoint_step: int | None = None, limit: int = 200) -> dict:
+    """Score a run's checkpoint offline on held-out rows of its dataset (greedy accuracy)."""
+    from webapp.tracking.evaluation import checkpoint_evaluate
+
+    return checkpoint_evaluate(run_id=run_id, checkpoint_step=checkpoint_step, limit=limit)
