@@ -30,6 +30,11 @@ demo: venv
 test: venv
 	bash scripts/test.sh
 
+bench: venv
+	bash scripts/services.sh up
+	$(BIN)/python benchmarks/async_vs_sync.py $(ARGS) --out bench-results/async_vs_sync.json
+	$(BIN)/python benchmarks/tracker_ingest.py $(ARGS) --out bench-results/tracker_ingest.json
+
 lint: venv
 	$(BIN)/ruff check .
 

@@ -4,9 +4,10 @@ Embedded defaults only (no PostgreSQL, Redis or Prefect server needed):
 1. the web app on SQLite (migrated, a `demo` user with password `demo`),
 2. through the REST API: the built-in arithmetic dataset, the arithmetic reward and a run with
    configs/demo.yaml as its spec,
-3. the trainer side, as a node would: it fetches spec and data with the run's ingest token,
-   warm-starts the tiny model briefly, then runs asynchronous GRPO (embedded rollout server
-   process + DeepSpeed trainer) and streams metrics to the tracker.
+3. a Celery worker (local SQLite broker) submits the run to the `training-run` Prefect flow
+   (Prefect's ephemeral engine, no server), which warm-starts the tiny model briefly, starts the
+   embedded rollout server and the DeepSpeed trainer, supervises them and tears them down; the
+   trainer streams metrics to the tracker over HTTP.
 
 Open the printed URL while it runs. The web app keeps serving after training until Ctrl-C
 (`--exit` to stop right away).
@@ -50,17 +51,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=int(os.environ.get("OOLONG_PORT", 8000)))
-    parser.add_argument("--warm-start-seconds", type=float, default=45)
     parser.add_argument("--exit", action="store_true", help="stop the web app when training ends")
+    parser.add_argument("--data-dir", default=str(ROOT / ".cache" / "demo"),
+                        help="SQLite database, broker and media of the demo web app")
     parser.add_argument("overrides", nargs="*", help="spec overrides, e.g. trainer.steps=50")
     args = parser.parse_args()
 
-    data_dir = ROOT / ".cache" / "demo"
+    data_dir = Path(args.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OOLONG_DATA_DIR": str(data_dir), "OMP_NUM_THREADS": "1",
            "DJANGO_SETTINGS_MODULE": "webapp.config.settings.local", "TOKENIZERS_PARALLELISM": "false",
-           # Until the orchestration path lands, the demo drives the trainer itself.
-           "OOLONG_RUN_SUBMISSION": "none"}
-    env.pop("DATABASE_URL", None)  # the demo is the embedded default: SQLite
+           "OOLONG_RUN_SUBMISSION": "celery", "OOLONG_PREFECT_MODE": "local",
+           "OOLONG_RUNS_DIR": os.environ.get("OOLONG_RUNS_DIR", str(ROOT / "runs"))}
+    # The demo is the embedded default: SQLite, a local broker, Prefect without a server.
+    for name in ("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "PREFECT_API_URL"):
+        env.pop(name, None)
     port = args.port
     try:
         httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
@@ -68,6 +73,7 @@ def main() -> int:
     except httpx.TransportError:
         pass
     base = f"http://127.0.0.1:{port}"
+    env["OOLONG_PUBLIC_URL"] = base
 
     print("1/4 web app: migrating SQLite and creating the demo user", flush=True)
     sh("manage.py", "migrate", "--verbosity", "0", env=env)
@@ -76,6 +82,9 @@ def main() -> int:
     web = subprocess.Popen([sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}", "--noreload"],
                            cwd=ROOT, env=env, stdout=(data_dir / "web.log").open("w"),
                            stderr=subprocess.STDOUT)
+    worker = subprocess.Popen([sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker",
+                               "-P", "solo", "--loglevel", "INFO"], cwd=ROOT, env=env,
+                              stdout=(data_dir / "worker.log").open("w"), stderr=subprocess.STDOUT)
     try:
         wait_http(base + "/accounts/login/")
         api = httpx.Client(base_url=base, headers={"Authorization": f"Token {token}"}, timeout=120)
@@ -105,17 +114,14 @@ def main() -> int:
         url = f"{base}/runs/{run['id']}/"
         print(f"\n    Dashboard: {url}   (log in as demo / demo)\n", flush=True)
 
-        from training_core.remote_run import prepare_remote_run
-
-        run_dir = ROOT / "runs" / f"demo-{run['id']}-{time.strftime('%Y%m%d-%H%M%S')}"
-        _, spec_path = prepare_remote_run(base, run["ingest_token"], run_dir)
-        print(f"3/4 warm start ({args.warm_start_seconds:.0f} s): the tiny model learns the answer format",
-              flush=True)
-        sh("-m", "training_core.cli", "sft", "--config", str(spec_path), "--out",
-           str(run_dir / "initial_model"), "--steps", "100000", "--seconds", str(args.warm_start_seconds),
-           env=env)
-        print("4/4 asynchronous GRPO (rollout server process + DeepSpeed trainer)", flush=True)
-        sh("-m", "training_core.cli", "train", "--config", str(spec_path), env=env)
+        print("3/4 Celery -> Prefect flow: warm start, rollout server, DeepSpeed trainer", flush=True)
+        final = follow(api, run["id"])
+        print(f"4/4 run {run['id']} {final['status']}"
+              + (f": {final['status_reason']}" if final["status_reason"] else ""), flush=True)
+        summary(api, run["id"])
+        if final["status"] != "succeeded":
+            print(f"logs: {ROOT / 'runs' / 'flows' / ('run-' + str(run['id'])) / 'logs'}", file=sys.stderr)
+            return 1
         print(f"\nDone. Dashboard: {url}  (demo / demo)")
         if not args.exit and sys.stdin.isatty():
             print("The web app keeps running; Ctrl-C to stop.")
@@ -123,9 +129,39 @@ def main() -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        web.terminate()
-        web.wait(timeout=10)
+        for proc in (worker, web):
+            proc.terminate()
+            proc.wait(timeout=15)
     return 0
+
+
+def follow(api: httpx.Client, run_id: int) -> dict:
+    """A progress bar from the tracker until the run ends."""
+    from tqdm import tqdm
+
+    run = api.get(f"/api/runs/{run_id}/").json()
+    bar = tqdm(total=run["spec"]["trainer"]["steps"], unit="step", dynamic_ncols=True)
+    while True:
+        run = api.get(f"/api/runs/{run_id}/").json()
+        m = run["latest_metrics"]
+        bar.update(max(0, int(m.get("version", 0)) - bar.n))
+        bar.set_postfix(status=run["status"], reward=f"{m.get('reward/mean', 0):.3f}",
+                        eval_acc=f"{m.get('eval/accuracy', 0):.2f}")
+        if run["status"] in ("succeeded", "failed", "cancelled"):
+            bar.close()
+            return run
+        time.sleep(2)
+
+
+def summary(api: httpx.Client, run_id: int) -> None:
+    series = {s["key"]: s for s in api.get(f"/api/runs/{run_id}/metrics/", params={
+        "keys": "eval/accuracy,reward/mean", "buckets": 5000}).json()["series"]}
+    acc, rew = series["eval/accuracy"]["mean"], series["reward/mean"]["mean"]
+    if acc:
+        print(f"  greedy eval accuracy: {acc[0]:.1%} -> {acc[-1]:.1%}")
+    if rew:
+        k = max(1, len(rew) // 5)
+        print(f"  sampled reward (first/last {k} steps): {sum(rew[:k]) / k:.3f} -> {sum(rew[-k:]) / k:.3f}")
 
 
 if __name__ == "__main__":

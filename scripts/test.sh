@@ -9,6 +9,14 @@ export CELERY_BROKER_URL=${CELERY_BROKER_URL:-redis://127.0.0.1:6379/0}
 export PREFECT_HOME=${PREFECT_HOME:-$PWD/.cache/prefect}
 bash scripts/services.sh up
 trap 'bash scripts/services.sh down' EXIT
+# checkov lives in its own tool environment: it installs an `hcl2` module that conflicts with
+# python-hcl2 in the project's venv.
+CHECKOV_ENV=.cache/tools/checkov
+if [ ! -x "$CHECKOV_ENV/bin/checkov" ]; then
+  echo "installing checkov into $CHECKOV_ENV"
+  python3.11 -m venv "$CHECKOV_ENV"
+  "$CHECKOV_ENV/bin/pip" install -q --disable-pip-version-check checkov==3.3.30
+fi
 mkdir -p test-artifacts
 set +e
 .venv/bin/python -m pytest -p no:cacheprovider "$@"

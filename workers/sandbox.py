@@ -66,7 +66,8 @@ def run_sandboxed(source: str, entrypoint: str, rows: list[dict[str, Any]], *, t
     def limits() -> None:
         os.setsid()
         resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20, memory_mb * 2**20))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
+        # Soft below hard: the kernel sends SIGXCPU first, so the report can name the cause.
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 2))
         resource.setrlimit(resource.RLIMIT_FSIZE, (10 * 2**20, 10 * 2**20))
         resource.setrlimit(resource.RLIMIT_NPROC, (256, 256))
 
@@ -92,8 +93,8 @@ def run_sandboxed(source: str, entrypoint: str, rows: list[dict[str, Any]], *, t
         report["elapsed_s"] = time.monotonic() - start
     if proc.returncode != 0:
         sig = -proc.returncode if proc.returncode < 0 else None
-        why = {signal.SIGXCPU: "CPU time limit", signal.SIGKILL: "killed (memory or time limit)"}.get(
-            sig, f"exit code {proc.returncode}")
+        why = {signal.SIGXCPU: f"CPU time limit ({cpu_s}s) exceeded",
+               signal.SIGKILL: "killed (CPU time or memory limit)"}.get(sig, f"exit code {proc.returncode}")
         report["error"] = f"reward process died: {why}. {err.strip()[-500:]}".strip()
         return report
     try:

@@ -48,6 +48,7 @@ def submit_training_run(*, run_id: int, tracker_url: str, ingest_token: str,
     runs_dir.mkdir(parents=True, exist_ok=True)
     env = prefect_env()
     env["OOLONG_INGEST_TOKEN"] = ingest_token  # not on the command line (visible in ps)
+    env["OOLONG_RUN_ID"] = str(run_id)  # inherited by every process of the run (teardown checks)
     proc = subprocess.Popen(
         [sys.executable, "-m", "orchestration.flows.training_run", "--run-id", str(run_id),
          "--tracker-url", tracker_url, "--provider", provider],

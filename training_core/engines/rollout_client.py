@@ -182,8 +182,22 @@ class RolloutClient:
 
     # ---- control ----------------------------------------------------------------------------
 
+    async def _post_retrying(self, server: _Server, path: str, payload: dict | None) -> Any:
+        """Control calls must reach every server: a restarting one is waited for (retry window)."""
+        deadline = time.monotonic() + self.retry_window_s
+        delay = 0.2
+        while True:
+            try:
+                return await self._post(server, path, payload)
+            except httpx.TransportError as exc:
+                if time.monotonic() > deadline:
+                    raise RolloutServerError(f"{server.url}{path} unreachable for "
+                                             f"{self.retry_window_s:.0f}s: {exc}") from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
     async def _all(self, path: str, payload: dict | None = None) -> list[dict]:
-        return await asyncio.gather(*[self._post(s, path, payload) for s in self.servers])
+        return await asyncio.gather(*[self._post_retrying(s, path, payload) for s in self.servers])
 
     async def pause(self) -> None:
         await self._all("/pause_generation", {"mode": "abort"})

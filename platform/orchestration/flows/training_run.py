@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
 from orchestration.launchers import trainer_command
 from orchestration.providers import NodeInventory, get_provider
@@ -41,19 +42,19 @@ def runs_root() -> Path:
     return Path(os.environ.get("OOLONG_RUNS_DIR", Path.cwd() / "runs")) / "flows"
 
 
-@task(name="provision-nodes")
+@task(name="provision-nodes", cache_policy=NO_CACHE)  # side effects: never cached
 def provision_nodes(provider_name: str, run_id: int, spec: dict) -> NodeInventory:
     return get_provider(provider_name).provision(run_id, spec)
 
 
-@task(name="prepare-run")
+@task(name="prepare-run", cache_policy=NO_CACHE)  # side effects: never cached
 def prepare_run(tracker_url: str, token: str, run_dir: Path) -> tuple[RunSpec, Path]:
     from training_core.remote_run import prepare_remote_run
 
     return prepare_remote_run(tracker_url, token, run_dir)
 
 
-@task(name="warm-start")
+@task(name="warm-start", cache_policy=NO_CACHE)  # side effects: never cached
 def warm_start(spec: RunSpec, spec_path: Path, run_dir: Path) -> Path | None:
     out = run_dir / "initial_model"
     if spec.model.warm_start_seconds <= 0 or (out / "config.json").exists():
@@ -95,7 +96,7 @@ def _spawn_server(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
                             start_new_session=True)
 
 
-@task(name="start-rollout-fleet")
+@task(name="start-rollout-fleet", cache_policy=NO_CACHE)  # side effects: never cached
 def start_rollout_fleet(spec: RunSpec, run_dir: Path, inventory: NodeInventory) -> Fleet:
     model_dir = _model_dir(spec, run_dir)
     logs = run_dir / "logs"
@@ -111,12 +112,12 @@ def start_rollout_fleet(spec: RunSpec, run_dir: Path, inventory: NodeInventory) 
     return fleet
 
 
-@task(name="wait-fleet-healthy")
+@task(name="wait-fleet-healthy", cache_policy=NO_CACHE)  # side effects: never cached
 def wait_fleet_healthy(fleet: Fleet, timeout_s: float = 300.0) -> None:
     fleet.wait_healthy(timeout_s)
 
 
-@task(name="start-trainer")
+@task(name="start-trainer", cache_policy=NO_CACHE)  # side effects: never cached
 def start_trainer(spec_path: Path, fleet: Fleet, inventory: NodeInventory, run_dir: Path) -> subprocess.Popen:
     cmd = trainer_command(spec_path, fleet.urls, inventory, run_dir)
     log = run_dir / "logs" / "trainer.log"
@@ -139,7 +140,7 @@ def _stop(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
         pass
 
 
-@task(name="tear-down")
+@task(name="tear-down", cache_policy=NO_CACHE)  # side effects: never cached
 def tear_down(procs: RunProcesses) -> None:
     _stop(procs.trainer)
     if procs.fleet is not None:

@@ -1,0 +1,42 @@
+# dev: a small control plane and one on-demand GPU node for trying things out.
+terraform {
+  required_version = ">= 1.5"
+  required_providers {
+    aws = {
+      source  = "hashicorp/aws"
+      version = "~> 5.0"
+    }
+  }
+}
+
+provider "aws" {
+  region = var.region
+}
+
+module "control_plane" {
+  source            = "../../modules/control_plane"
+  name              = "oolong-dev"
+  region            = var.region
+  vpc_id            = var.vpc_id
+  subnet_ids        = var.private_subnet_ids
+  app_subnet_id     = var.app_subnet_id
+  app_instance_type = "t3.large"
+  db_instance_class = "db.t4g.small"
+  redis_node_type   = "cache.t4g.micro"
+  admin_cidrs       = var.admin_cidrs
+  tags              = { environment = "dev" }
+}
+
+module "gpu_pool" {
+  source              = "../../modules/gpu_node_pool"
+  name                = "oolong-dev-gpu"
+  region              = var.region
+  availability_zone   = var.availability_zone
+  instance_type       = var.gpu_instance_type
+  node_count          = var.gpu_node_count
+  spot                = true
+  prefect_api_url     = var.prefect_api_url
+  work_pool           = "oolong-dev"
+  control_plane_cidrs = var.control_plane_cidrs
+  tags                = { environment = "dev" }
+}

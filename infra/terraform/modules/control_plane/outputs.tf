@@ -1,0 +1,24 @@
+output "database_endpoint" {
+  description = "PostgreSQL host:port for DATABASE_URL (the password is in Secrets Manager)."
+  value       = aws_db_instance.postgres.endpoint
+}
+
+output "database_secret_arn" {
+  description = "Secrets Manager secret holding the PostgreSQL master password."
+  value       = aws_db_instance.postgres.master_user_secret[0].secret_arn
+}
+
+output "redis_endpoint" {
+  description = "Redis primary endpoint for CELERY_BROKER_URL (rediss://, TLS)."
+  value       = aws_elasticache_replication_group.redis.primary_endpoint_address
+}
+
+output "app_private_address" {
+  description = "Private address of the application host."
+  value       = aws_instance.app.private_ip
+}
+
+output "app_security_group_id" {
+  description = "Security group of the application host (allow it on the GPU pools' rollout port)."
+  value       = aws_security_group.app.id
+}

@@ -1,0 +1,246 @@
+locals {
+  # GPUs per instance type for the DeepSpeed hostfile; override with var.gpus_per_node.
+  known_gpus = {
+    "g5.xlarge" = 1, "g5.2xlarge" = 1, "g5.12xlarge" = 4, "g5.48xlarge" = 8,
+    "g6.xlarge" = 1, "g6.12xlarge" = 4, "p4d.24xlarge" = 8, "p5.48xlarge" = 8
+  }
+  gpus = var.gpus_per_node > 0 ? var.gpus_per_node : lookup(local.known_gpus, var.instance_type, 1)
+  tags = merge({ "oolong:pool" = var.name, "managed-by" = "oolong-terraform" }, var.tags)
+}
+
+data "aws_ami" "deep_learning" {
+  count       = var.ami_id == "" ? 1 : 0
+  most_recent = true
+  owners      = ["amazon"]
+  filter {
+    name   = "name"
+    values = ["Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04)*"]
+  }
+}
+
+# A private network for the pool: NCCL traffic between nodes stays inside it.
+resource "aws_vpc" "pool" {
+  cidr_block           = var.vpc_cidr
+  enable_dns_hostnames = true
+  tags                 = merge(local.tags, { Name = "${var.name}-vpc" })
+}
+
+resource "aws_flow_log" "pool" {
+  vpc_id               = aws_vpc.pool.id
+  traffic_type         = "REJECT"
+  log_destination_type = "cloud-watch-logs"
+  log_destination      = aws_cloudwatch_log_group.flow.arn
+  iam_role_arn         = aws_iam_role.flow_log.arn
+}
+
+resource "aws_cloudwatch_log_group" "flow" {
+  name              = "/oolong/${var.name}/vpc-flow"
+  retention_in_days = 365
+  kms_key_id        = aws_kms_key.pool.arn
+}
+
+resource "aws_kms_key" "pool" {
+  description         = "Encryption for ${var.name} (disks, logs)"
+  enable_key_rotation = true
+  policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [
+      {
+        Sid       = "Account"
+        Effect    = "Allow"
+        Principal = { AWS = "arn:aws:iam::${data.aws_caller_identity.current.account_id}:root" }
+        Action    = "kms:*"
+        Resource  = "*"
+      },
+      {
+        Sid       = "Logs"
+        Effect    = "Allow"
+        Principal = { Service = "logs.${var.region}.amazonaws.com" }
+        Action    = ["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"]
+        Resource  = "*"
+      }
+    ]
+  })
+  tags = local.tags
+}
+
+data "aws_caller_identity" "current" {}
+
+resource "aws_iam_role" "flow_log" {
+  name = "${var.name}-flow-log"
+  assume_role_policy = jsonencode({
+    Version   = "2012-10-17"
+    Statement = [{ Effect = "Allow", Principal = { Service = "vpc-flow-logs.amazonaws.com" }, Action = "sts:AssumeRole" }]
+  })
+  tags = local.tags
+}
+
+resource "aws_iam_role_policy" "flow_log" {
+  name = "${var.name}-flow-log"
+  role = aws_iam_role.flow_log.id
+  policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [{
+      Effect   = "Allow"
+      Action   = ["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"]
+      Resource = "${aws_cloudwatch_log_group.flow.arn}:*"
+    }]
+  })
+}
+
+resource "aws_default_security_group" "closed" {
+  # The VPC's default group allows nothing: every instance uses the pool's own group.
+  vpc_id = aws_vpc.pool.id
+  tags   = local.tags
+}
+
+resource "aws_subnet" "pool" {
+  vpc_id            = aws_vpc.pool.id
+  cidr_block        = cidrsubnet(var.vpc_cidr, 8, 1)
+  availability_zone = var.availability_zone
+  tags              = merge(local.tags, { Name = "${var.name}-subnet" })
+}
+
+resource "aws_internet_gateway" "pool" {
+  vpc_id = aws_vpc.pool.id
+  tags   = local.tags
+}
+
+resource "aws_route_table" "pool" {
+  vpc_id = aws_vpc.pool.id
+  route {
+    cidr_block = "0.0.0.0/0"
+    gateway_id = aws_internet_gateway.pool.id
+  }
+  tags = local.tags
+}
+
+resource "aws_route_table_association" "pool" {
+  subnet_id      = aws_subnet.pool.id
+  route_table_id = aws_route_table.pool.id
+}
+
+# Only what the fleet needs: all traffic between pool members (NCCL, rollout HTTP, the DeepSpeed
+# launcher), the rollout port from the control plane, SSH from the given CIDRs, and egress for
+# packages and the Prefect/tracker APIs.
+resource "aws_security_group" "pool" {
+  name        = "${var.name}-nodes"
+  description = "Oolong GPU node pool ${var.name}"
+  vpc_id      = aws_vpc.pool.id
+  tags        = local.tags
+}
+
+resource "aws_vpc_security_group_ingress_rule" "intra_pool" {
+  security_group_id            = aws_security_group.pool.id
+  description                  = "NCCL, rollout HTTP and launcher traffic between pool nodes"
+  referenced_security_group_id = aws_security_group.pool.id
+  ip_protocol                  = "-1"
+}
+
+resource "aws_vpc_security_group_ingress_rule" "rollout_from_control_plane" {
+  for_each          = toset(var.control_plane_cidrs)
+  security_group_id = aws_security_group.pool.id
+  description       = "Rollout server HTTP from the control plane"
+  cidr_ipv4         = each.value
+  from_port         = var.rollout_port
+  to_port           = var.rollout_port
+  ip_protocol       = "tcp"
+}
+
+resource "aws_vpc_security_group_ingress_rule" "ssh" {
+  for_each          = toset(var.ssh_allowed_cidrs)
+  security_group_id = aws_security_group.pool.id
+  description       = "SSH from operator networks"
+  cidr_ipv4         = each.value
+  from_port         = 22
+  to_port           = 22
+  ip_protocol       = "tcp"
+}
+
+resource "aws_vpc_security_group_egress_rule" "https" {
+  security_group_id = aws_security_group.pool.id
+  description       = "Packages, Prefect and tracker APIs over HTTPS"
+  cidr_ipv4         = "0.0.0.0/0"
+  from_port         = 443
+  to_port           = 443
+  ip_protocol       = "tcp"
+}
+
+resource "aws_vpc_security_group_egress_rule" "intra_pool" {
+  security_group_id            = aws_security_group.pool.id
+  description                  = "Traffic between pool nodes"
+  referenced_security_group_id = aws_security_group.pool.id
+  ip_protocol                  = "-1"
+}
+
+resource "aws_placement_group" "pool" {
+  name     = "${var.name}-cluster"
+  strategy = "cluster"
+  tags     = local.tags
+}
+
+resource "aws_iam_role" "node" {
+  name = "${var.name}-node"
+  assume_role_policy = jsonencode({
+    Version   = "2012-10-17"
+    Statement = [{ Effect = "Allow", Principal = { Service = "ec2.amazonaws.com" }, Action = "sts:AssumeRole" }]
+  })
+  tags = local.tags
+}
+
+resource "aws_iam_role_policy_attachment" "ssm" {
+  role       = aws_iam_role.node.name
+  policy_arn = "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"
+}
+
+resource "aws_iam_instance_profile" "node" {
+  name = "${var.name}-node"
+  role = aws_iam_role.node.name
+}
+
+resource "aws_instance" "node" {
+  count                       = var.node_count
+  ami                         = var.ami_id != "" ? var.ami_id : data.aws_ami.deep_learning[0].id
+  instance_type               = var.instance_type
+  subnet_id                   = aws_subnet.pool.id
+  vpc_security_group_ids      = [aws_security_group.pool.id]
+  placement_group             = aws_placement_group.pool.id
+  key_name                    = var.ssh_key_name != "" ? var.ssh_key_name : null
+  iam_instance_profile        = aws_iam_instance_profile.node.name
+  associate_public_ip_address = true #checkov:skip=CKV_AWS_88:nodes reach package registries and the control plane; ingress is limited by the security group
+  ebs_optimized               = true
+  monitoring                  = true
+
+  dynamic "instance_market_options" {
+    for_each = var.spot ? [1] : []
+    content {
+      market_type = "spot"
+      spot_options {
+        instance_interruption_behavior = "terminate"
+        spot_instance_type             = "one-time"
+      }
+    }
+  }
+
+  root_block_device {
+    volume_size = var.disk_size_gb
+    volume_type = "gp3"
+    encrypted   = true
+    kms_key_id  = aws_kms_key.pool.arn
+  }
+
+  metadata_options {
+    http_tokens   = "required" # IMDSv2 only
+    http_endpoint = "enabled"
+  }
+
+  user_data = templatefile("${path.module}/cloud-init.yaml.tftpl", {
+    oolong_package  = var.oolong_package
+    prefect_api_url = var.prefect_api_url
+    work_pool       = var.work_pool
+    node_index      = count.index
+    rollout_port    = var.rollout_port
+  })
+
+  tags = merge(local.tags, { Name = "${var.name}-node-${count.index}" })
+}

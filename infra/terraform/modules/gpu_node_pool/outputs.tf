@@ -1,0 +1,29 @@
+output "node_addresses" {
+  description = "Public addresses of the nodes, in node order (node 0 is the head)."
+  value       = aws_instance.node[*].public_ip
+}
+
+output "private_addresses" {
+  description = "Private addresses of the nodes (NCCL, DeepSpeed hostfile)."
+  value       = aws_instance.node[*].private_ip
+}
+
+output "gpus_per_node" {
+  description = "GPUs on each node."
+  value       = local.gpus
+}
+
+output "ssh_user" {
+  description = "Login user on the nodes' image."
+  value       = "ubuntu"
+}
+
+output "node_ids" {
+  description = "Instance ids."
+  value       = aws_instance.node[*].id
+}
+
+output "security_group_id" {
+  description = "The pool's security group."
+  value       = aws_security_group.pool.id
+}

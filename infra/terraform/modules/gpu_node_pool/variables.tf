@@ -1,0 +1,106 @@
+variable "name" {
+  type        = string
+  description = "Name prefix for every resource of this node pool (e.g. oolong-run-42)."
+}
+
+variable "region" {
+  type        = string
+  description = "Cloud region, e.g. us-east-1."
+}
+
+variable "availability_zone" {
+  type        = string
+  description = "Zone for all nodes: NCCL wants them close (one placement group)."
+}
+
+variable "instance_type" {
+  type        = string
+  description = "GPU instance type, e.g. g5.xlarge (1x A10G) or p4d.24xlarge (8x A100)."
+  default     = "g5.xlarge"
+}
+
+variable "node_count" {
+  type        = number
+  description = "Number of GPU nodes."
+  default     = 1
+  validation {
+    condition     = var.node_count >= 1 && var.node_count <= 64
+    error_message = "node_count must be between 1 and 64."
+  }
+}
+
+variable "gpus_per_node" {
+  type        = number
+  description = "GPUs per node (reported to the orchestration for the DeepSpeed hostfile). 0 = look it up from instance_type."
+  default     = 0
+}
+
+variable "disk_size_gb" {
+  type        = number
+  description = "Root disk size in GB (models, checkpoints, the Python environment)."
+  default     = 200
+}
+
+variable "spot" {
+  type        = bool
+  description = "Use spot instances (cheaper, can be reclaimed; runs resume from checkpoints)."
+  default     = false
+}
+
+variable "ami_id" {
+  type        = string
+  description = "Machine image; empty = the newest AWS Deep Learning Base GPU AMI (Ubuntu 22.04)."
+  default     = ""
+}
+
+variable "vpc_cidr" {
+  type        = string
+  description = "Address range of the private network between the nodes."
+  default     = "10.42.0.0/16"
+}
+
+variable "ssh_key_name" {
+  type        = string
+  description = "Existing EC2 key pair for SSH (empty = no SSH key; use SSM instead)."
+  default     = ""
+}
+
+variable "ssh_allowed_cidrs" {
+  type        = list(string)
+  description = "CIDRs allowed to reach SSH (port 22); empty = SSH closed to the outside."
+  default     = []
+}
+
+variable "control_plane_cidrs" {
+  type        = list(string)
+  description = "CIDRs of the control plane (web app, Prefect server) allowed to reach the rollout servers' HTTP port."
+  default     = []
+}
+
+variable "rollout_port" {
+  type        = number
+  description = "HTTP port of the rollout servers (SGLang)."
+  default     = 30000
+}
+
+variable "oolong_package" {
+  type        = string
+  description = "pip requirement that installs Oolong with its GPU extras, e.g. 'oolong[core,sglang,orchestration]==0.1.0'."
+  default     = "oolong[core,sglang,orchestration]"
+}
+
+variable "prefect_api_url" {
+  type        = string
+  description = "Prefect server API URL the node's worker connects to."
+}
+
+variable "work_pool" {
+  type        = string
+  description = "Prefect work pool the node's worker joins (one per run)."
+}
+
+variable "tags" {
+  type        = map(string)
+  description = "Extra tags for every resource."
+  default     = {}
+}

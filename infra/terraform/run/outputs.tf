@@ -1,0 +1,19 @@
+output "node_addresses" {
+  description = "Public node addresses (node 0 is the head)."
+  value       = module.pool.node_addresses
+}
+
+output "private_addresses" {
+  description = "Private node addresses (NCCL, DeepSpeed hostfile)."
+  value       = module.pool.private_addresses
+}
+
+output "gpus_per_node" {
+  description = "GPUs per node."
+  value       = module.pool.gpus_per_node
+}
+
+output "ssh_user" {
+  description = "Login user on the nodes."
+  value       = module.pool.ssh_user
+}

@@ -1,0 +1,91 @@
+"""Terraform without providers: every file parses, variables are typed and described, modules
+expose what the orchestration reads, formatting is canonical, and checkov finds nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import hcl2
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TF = ROOT / "infra" / "terraform"
+MODULE_DIRS = [TF / "modules" / "gpu_node_pool", TF / "modules" / "control_plane", TF / "run",
+               TF / "envs" / "dev", TF / "envs" / "prod"]
+CHECKOV = Path(os.environ.get("OOLONG_CHECKOV", ROOT / ".cache" / "tools" / "checkov" / "bin" / "checkov"))
+
+
+def _load(path: Path) -> dict:
+    with path.open() as fh:
+        return hcl2.load(fh)
+
+
+def _blocks(directory: Path, kind: str) -> dict[str, dict]:
+    out = {}
+    for f in directory.glob("*.tf"):
+        for block in _load(f).get(kind, []):
+            for name, body in block.items():
+                out[name.strip('"')] = body
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(TF.rglob("*.tf")), ids=lambda p: str(p.relative_to(TF)))
+def test_every_tf_file_parses(path):
+    assert isinstance(_load(path), dict)
+
+
+@pytest.mark.parametrize("directory", MODULE_DIRS, ids=lambda p: str(p.relative_to(TF)))
+def test_every_variable_has_a_type_and_a_description(directory):
+    variables = _blocks(directory, "variable")
+    assert variables, f"{directory} declares no variables"
+    for name, body in variables.items():
+        assert "type" in body, f"{directory.name}: variable {name} has no type"
+        assert str(body.get("description", "")).strip(), f"{directory.name}: variable {name} has no description"
+
+
+def test_gpu_pool_and_run_module_expose_what_the_provider_reads():
+    from orchestration.providers.terraform import REQUIRED_VARS
+
+    wanted = {"node_addresses", "private_addresses", "gpus_per_node", "ssh_user"}
+    assert wanted <= set(_blocks(TF / "modules" / "gpu_node_pool", "output"))
+    assert wanted <= set(_blocks(TF / "run", "output"))
+    run_vars = set(_blocks(TF / "run", "variable"))
+    assert {"run_id", *REQUIRED_VARS} <= run_vars
+    for name, body in _blocks(TF / "run", "output").items():
+        assert str(body.get("description", "")).strip(), f"output {name} has no description"
+
+
+def test_control_plane_outputs_for_the_settings():
+    outputs = set(_blocks(TF / "modules" / "control_plane", "output"))
+    assert {"database_endpoint", "redis_endpoint", "app_private_address"} <= outputs
+
+
+def test_example_tfvars_set_only_declared_variables():
+    for env in ("dev", "prod"):
+        declared = set(_blocks(TF / "envs" / env, "variable"))
+        example = _load(TF / "envs" / env / "terraform.tfvars.example")
+        assert set(example) <= declared, set(example) - declared
+
+
+@pytest.mark.skipif(shutil.which("terraform") is None, reason="no terraform binary on this machine")
+def test_terraform_fmt_is_clean():
+    out = subprocess.run(["terraform", "fmt", "-recursive", "-check", "-diff"], cwd=TF,
+                         capture_output=True, text=True, env={**os.environ, "TF_CLI_CONFIG_FILE": "/dev/null"})
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_checkov_finds_no_failed_checks(tmp_path):
+    if not CHECKOV.exists():
+        pytest.skip("checkov is not installed (make test installs it into .cache/tools/checkov)")
+    out = subprocess.run([str(CHECKOV), "-d", str(TF), "--framework", "terraform", "--compact",
+                          "--quiet", "-o", "json", "--skip-download"],
+                         capture_output=True, text=True, timeout=600)
+    report = json.loads(out.stdout)
+    reports = report if isinstance(report, list) else [report]
+    failed = [f"{c['check_id']} {c['resource']} ({c['file_path']})"
+              for r in reports for c in r.get("results", {}).get("failed_checks", [])]
+    assert not failed, "\n".join(failed)
