@@ -59,6 +59,13 @@ def test_api_to_celery_to_prefect_to_trainer_and_metrics_back(stack, project_set
     html = c.get(f"/runs/{run_id}/").content.decode()
     assert "reward/mean" in html and "succeeded" in html
 
+    # Offline evaluation of the final weights, as a worker job.
+    from workers.tasks import evaluation_run
+
+    result = evaluation_run.delay(run_id, None, 20).get(timeout=120)
+    assert result["version"] == 4 and result["rows"] == 20 and 0.0 <= result["accuracy"] <= 1.0
+    assert MetricPoint.objects.filter(run=run, key="offline_eval/accuracy", step=4).exists()
+
 
 def test_the_trainer_and_servers_hold_no_database_credentials(stack, project_setup):
     run_id = create_run(project_setup, "secrets", trainer={"steps": 200})

@@ -128,3 +128,22 @@ def test_other_users_runs_are_invisible_in_the_browser(page, live_server, run, b
     assert "r1" not in page.locator("table.runs").inner_text()
     resp = page.goto(f"{live_server.url}/runs/{run.id}/")
     assert resp.status == 404
+
+
+def test_reward_editor_refuses_bad_code_and_saves_good_code(page, live_server, alice, project):
+    from webapp.rewards.models import RewardFunction
+
+    _login(page, live_server.url)
+    page.goto(live_server.url + "/rewards/")
+    page.fill("input[name=name]", "mine")
+    page.fill("textarea[name=source]", "def reward(completion, item):\n    return (\n")
+    page.click("form.card button[type=submit]")
+    assert "syntax error on line 2" in page.locator(".error-box").inner_text()
+    assert not RewardFunction.objects.exists()
+    # The editor keeps what was typed; fix it and save.
+    page.fill("textarea[name=source]", "def reward(completion, item):\n    return 1.0\n")
+    page.click("form.card button[type=submit]")
+    page.wait_for_url("**/rewards/*/")
+    assert "pending" in page.content()
+    page.screenshot(path=str(ARTIFACTS / "reward-editor.png"), full_page=True)
+    assert RewardFunction.objects.get().versions.get().source.startswith("def reward")

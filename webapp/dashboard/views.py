@@ -139,10 +139,39 @@ def dataset_detail(request: HttpRequest, dataset_id: int) -> HttpResponse:
                                                               "latest": versions[0] if versions else None})
 
 
+REWARD_TEMPLATE = (
+    "def reward(completion: str, item: dict) -> float:\n"
+    "    # item is the dataset row (question, answer, ...); return a score\n"
+    "    return float(completion.strip() == str(item[\"answer\"]).strip())\n"
+)
+
+
 @login_required
 def reward_list_view(request: HttpRequest) -> HttpResponse:
-    return render(request, "dashboard/reward_list.html",
-                  {"rewards": reward_function_list(user=request.user).select_related("project")})
+    """List, plus a browser editor (or a file upload) for user reward code."""
+    from webapp.rewards.services import builtin_names, reward_function_create
+
+    ctx = {"rewards": reward_function_list(user=request.user).select_related("project"),
+           "projects": project_list(user=request.user), "builtins": builtin_names(), "errors": [],
+           "source": request.POST.get("source") or REWARD_TEMPLATE}
+    if request.method == "POST":
+        upload = request.FILES.get("file")
+        source = upload.read().decode("utf-8", errors="replace") if upload else request.POST.get("source", "")
+        builtin = request.POST.get("builtin") or None
+        try:
+            project = project_get_for_user(user=request.user, project_id=int(request.POST["project"]))
+            version = reward_function_create(
+                project=project, user=request.user, name=request.POST.get("name", "").strip(),
+                builtin=builtin, source=None if builtin else source,
+                entrypoint=request.POST.get("entrypoint", "reward").strip() or "reward")
+            messages.success(request, f"saved v{version.version} ({version.status}); "
+                                      "a worker validates user code in its sandbox")
+            return redirect("reward-detail", reward_id=version.reward_function_id)
+        except ApplicationError as exc:
+            ctx["errors"], ctx["source"] = exc.errors, source
+        except (KeyError, ValueError) as exc:
+            ctx["errors"] = [{"field": "form", "message": f"missing or invalid input: {exc}"}]
+    return render(request, "dashboard/reward_list.html", ctx)
 
 
 @login_required
