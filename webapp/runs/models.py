@@ -1,0 +1,73 @@
+import secrets
+
+from django.conf import settings
+from django.db import models
+
+from webapp.accounts.models import Project
+from webapp.datasets.models import DatasetVersion
+from webapp.rewards.models import RewardFunctionVersion
+
+
+def _new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+class Run(models.Model):
+    class Status(models.TextChoices):
+        QUEUED = "queued"
+        PROVISIONING = "provisioning"
+        RUNNING = "running"
+        SUCCEEDED = "succeeded"
+        FAILED = "failed"
+        CANCELLED = "cancelled"
+
+    TERMINAL = {Status.SUCCEEDED, Status.FAILED, Status.CANCELLED}
+    # Allowed lifecycle moves; anything else is a bug or a late, out-of-order report.
+    TRANSITIONS = {
+        Status.QUEUED: {Status.PROVISIONING, Status.RUNNING, Status.FAILED, Status.CANCELLED},
+        Status.PROVISIONING: {Status.RUNNING, Status.FAILED, Status.CANCELLED},
+        Status.RUNNING: {Status.SUCCEEDED, Status.FAILED, Status.CANCELLED},
+    }
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="runs")
+    name = models.CharField(max_length=100)
+    dataset_version = models.ForeignKey(DatasetVersion, on_delete=models.PROTECT, related_name="runs")
+    reward_version = models.ForeignKey(RewardFunctionVersion, on_delete=models.PROTECT, related_name="runs")
+    spec = models.JSONField(help_text="the resolved training_core run spec")
+    status = models.CharField(max_length=15, choices=Status.choices, default=Status.QUEUED, db_index=True)
+    status_reason = models.TextField(blank=True)
+    cancel_requested = models.BooleanField(default=False)
+    ingest_token = models.CharField(max_length=64, default=_new_token, unique=True)
+    orchestrator_ref = models.CharField(max_length=100, blank=True, help_text="Prefect flow run id")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.status})"
+
+    @property
+    def duration_s(self) -> float | None:
+        if not self.started_at:
+            return None
+        from django.utils import timezone
+
+        return ((self.finished_at or timezone.now()) - self.started_at).total_seconds()
+
+
+class RunEvent(models.Model):
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
+    time = models.DateTimeField(auto_now_add=True, db_index=True)
+    kind = models.CharField(max_length=30)
+    message = models.TextField()
+    data = models.JSONField(default=dict)
+    # Set by reporters that retry (trainer, flows): a repeated report is stored once.
+    dedup_key = models.CharField(max_length=100, null=True, blank=True)
+
+    class Meta:
+        ordering = ["time", "id"]
+        constraints = [models.UniqueConstraint(fields=["run", "dedup_key"], name="event_dedup")]

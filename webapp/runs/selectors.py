@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import QuerySet
+from django.http import Http404
+
+from webapp.runs.models import Run
+
+
+def run_list(*, user, project_id: int | None = None, status: str | None = None,
+             search: str | None = None) -> QuerySet[Run]:
+    qs = Run.objects.filter(project__membership__user=user).select_related(
+        "project", "dataset_version__dataset", "reward_version__reward_function")
+    if project_id is not None:
+        qs = qs.filter(project_id=project_id)
+    if status:
+        qs = qs.filter(status=status)
+    if search:
+        qs = qs.filter(name__icontains=search)
+    return qs
+
+
+def run_get(*, user, run_id: int) -> Run:
+    try:
+        return run_list(user=user).get(id=run_id)
+    except Run.DoesNotExist:
+        raise Http404("run not found") from None
+
+
+def run_get_by_ingest_token(*, token: str) -> Run | None:
+    return Run.objects.filter(ingest_token=token).first()
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, name))
+        else:
+            out[name] = value
+    return out
+
+
+def run_config_diff(*, runs: list[Run]) -> list[dict[str, Any]]:
+    """Rows of (key, value per run, differs) over the flattened specs, differing keys first."""
+    flats = [_flatten(r.spec) for r in runs]
+    keys = sorted(set().union(*flats)) if flats else []
+    rows = []
+    for key in keys:
+        values = [f.get(key) for f in flats]
+        rows.append({"key": key, "values": values,
+                     "differs": any(v != values[0] for v in values[1:])})
+    return sorted(rows, key=lambda r: (not r["differs"], r["key"]))

@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from webapp.accounts.models import Project
+from webapp.api.errors import ApplicationError
+from webapp.datasets.models import DatasetVersion
+from webapp.rewards.models import RewardFunctionVersion
+from webapp.runs.models import Run, RunEvent
+
+
+def run_spec_validate(*, spec: dict[str, Any]) -> dict[str, Any]:
+    """Validate with training_core's schema; errors come back per field (spec.<dotted key>)."""
+    from training_core.config import SpecError, spec_from_dict
+
+    if not isinstance(spec, dict):
+        raise ApplicationError("spec must be a mapping of sections", field="spec")
+    try:
+        return spec_from_dict(spec).model_dump(mode="json")
+    except SpecError as exc:
+        raise ApplicationError(
+            "invalid run spec: " + "; ".join(f"{k}: {v}" for k, v in exc.errors.items()),
+            errors=[{"field": f"spec.{k}", "message": v} for k, v in exc.errors.items()]) from None
+
+
+@transaction.atomic
+def run_create(*, project: Project, user, name: str, dataset_version: DatasetVersion,
+               reward_version: RewardFunctionVersion, spec: dict[str, Any] | None = None) -> Run:
+    if dataset_version.dataset.project_id != project.id:
+        raise ApplicationError("dataset version belongs to another project", field="dataset_version")
+    if reward_version.reward_function.project_id != project.id:
+        raise ApplicationError("reward version belongs to another project", field="reward_version")
+    if reward_version.status != RewardFunctionVersion.Status.VALID:
+        raise ApplicationError(f"reward version is {reward_version.status}; only validated "
+                               "reward functions can be used", field="reward_version")
+    spec = dict(spec or {})
+    spec["name"] = name
+    # The dataset and reward are fixed by the run, not by free-form spec fields.
+    spec.setdefault("data", {})
+    spec.setdefault("reward", {})
+    resolved = run_spec_validate(spec=spec)
+    resolved["reward"]["fn"] = reward_version.fn_path
+    run = Run.objects.create(project=project, name=name, dataset_version=dataset_version,
+                             reward_version=reward_version, spec=resolved, created_by=user)
+    run_event_add(run=run, kind="created", message=f"run created by {user}")
+    transaction.on_commit(lambda: run_submit_enqueue(run_id=run.id))
+    return run
+
+
+def run_submit_enqueue(*, run_id: int) -> None:
+    if settings.OOLONG_RUN_SUBMISSION == "none":
+        return
+    from workers.tasks import run_submit
+
+    run_submit.delay(run_id)
+
+
+def run_event_add(*, run: Run, kind: str, message: str, data: dict | None = None,
+                  dedup_key: str | None = None) -> RunEvent | None:
+    try:
+        with transaction.atomic():
+            return RunEvent.objects.create(run=run, kind=kind, message=message, data=data or {},
+                                           dedup_key=dedup_key)
+    except IntegrityError:
+        return None  # already recorded (a retried report)
+
+
+@transaction.atomic
+def run_status_set(*, run: Run, status: str, reason: str = "") -> Run:
+    run = Run.objects.select_for_update().get(id=run.id)
+    if status == run.status:
+        return run
+    if run.status in Run.TERMINAL:
+        return run  # terminal states are final; late reports are ignored
+    if status not in Run.TRANSITIONS.get(run.status, set()):
+        raise ApplicationError(f"cannot move a {run.status} run to {status}", field="status",
+                               status_code=409)
+    run.status = status
+    run.status_reason = reason
+    now = timezone.now()
+    if status == Run.Status.RUNNING and not run.started_at:
+        run.started_at = now
+    if status in Run.TERMINAL:
+        run.finished_at = now
+        run.started_at = run.started_at or now
+    run.save(update_fields=["status", "status_reason", "started_at", "finished_at"])
+    run_event_add(run=run, kind="status", message=f"{status}" + (f": {reason}" if reason else ""))
+    return run
+
+
+@transaction.atomic
+def run_cancel(*, run: Run, user) -> Run:
+    run = Run.objects.select_for_update().get(id=run.id)
+    if run.status in Run.TERMINAL:
+        raise ApplicationError(f"run is already {run.status}", field="status", status_code=409)
+    run.cancel_requested = True
+    run.save(update_fields=["cancel_requested"])
+    run_event_add(run=run, kind="cancel_requested", message=f"cancel requested by {user}")
+    if run.status == Run.Status.QUEUED and not run.orchestrator_ref:
+        return run_status_set(run=run, status=Run.Status.CANCELLED, reason="cancelled before start")
+    transaction.on_commit(lambda: run_cancel_enqueue(run_id=run.id))
+    return run
+
+
+def run_cancel_enqueue(*, run_id: int) -> None:
+    if settings.OOLONG_RUN_SUBMISSION == "none":
+        return
+    from workers.tasks import run_cancel as run_cancel_task
+
+    run_cancel_task.delay(run_id)
+
+
+def run_orchestrator_ref_set(*, run: Run, ref: str) -> Run:
+    Run.objects.filter(id=run.id).update(orchestrator_ref=ref)
+    run.orchestrator_ref = ref
+    return run
