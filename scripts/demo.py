@@ -136,12 +136,17 @@ def main() -> int:
 
 
 def follow(api: httpx.Client, run_id: int) -> dict:
-    """A progress bar from the tracker until the run ends."""
+    """A progress bar from the tracker until the run ends; the run's events print above it."""
     from tqdm import tqdm
 
     run = api.get(f"/api/runs/{run_id}/").json()
     bar = tqdm(total=run["spec"]["trainer"]["steps"], unit="step", dynamic_ncols=True)
+    last_event = 0
     while True:
+        for e in api.get(f"/api/runs/{run_id}/events/", params={"after": last_event}).json():
+            last_event = e["id"]
+            if e["kind"] not in ("trainer_log",):
+                bar.write(f"    [{e['time'][11:19]}] {e['kind']}: {e['message'].splitlines()[0][:120]}")
         run = api.get(f"/api/runs/{run_id}/").json()
         m = run["latest_metrics"]
         bar.update(max(0, int(m.get("version", 0)) - bar.n))

@@ -175,6 +175,8 @@ def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str
         tracker.event("flow", f"flow started (provider {provider}); run directory {run_dir}")
         inventory = provision_nodes(provider, run_id, info["spec"])
         spec, spec_path = prepare_run(tracker_url, ingest_token, run_dir)
+        if spec.model.warm_start_seconds > 0:
+            tracker.event("warm_start", f"supervised warm start for {spec.model.warm_start_seconds:.0f}s")
         warm_start(spec, spec_path, run_dir)
         procs.fleet = start_rollout_fleet(spec, run_dir, inventory)
         wait_fleet_healthy(procs.fleet)
