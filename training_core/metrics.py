@@ -86,6 +86,11 @@ class MultiSink:
             if hasattr(s, "trajectories"):
                 s.trajectories(step, samples)
 
+    def checkpoint(self, step: int, version: int, path: str) -> None:
+        for s in self.sinks:
+            if hasattr(s, "checkpoint"):
+                s.checkpoint(step, version, path)
+
     @property
     def status(self):
         reporters = [s.status for s in self.sinks if hasattr(s, "status")]

@@ -72,6 +72,9 @@ class HttpSink:
     def trajectories(self, step: int, samples: list[dict[str, Any]]) -> None:
         self._append({"type": "trajectories", "samples": [{"step": step, **x} for x in samples]})
 
+    def checkpoint(self, step: int, version: int, path: str) -> None:
+        self._append({"type": "checkpoint", "step": step, "version": version, "path": path})
+
     def status(self, status: str, reason: str = "") -> None:
         self._append({"type": "status", "status": status, "reason": reason})
 
@@ -135,6 +138,8 @@ class HttpSink:
         if samples:
             self._post("/api/ingest/trajectories/", {"samples": samples})
         for r in records:
+            if r["type"] == "checkpoint":
+                self._post("/api/ingest/checkpoints/", {k: r[k] for k in ("step", "version", "path")})
             if r["type"] == "status":
                 self._post("/api/ingest/status/", {"status": r["status"], "reason": r["reason"]})
 

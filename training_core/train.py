@@ -280,9 +280,11 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
             # 7. Checkpoint, evaluate, log: generation is already running again.
             if spec.checkpoint.every and step % spec.checkpoint.every == 0:
                 with timers("checkpoint"):
-                    trainer.save_checkpoint(checkpoint_dir(run_dir), f"step{step}", {
+                    saved = trainer.save_checkpoint(checkpoint_dir(run_dir), f"step{step}", {
                         "version": version, "step": step, "loader_position": loader.position})
                     prune_checkpoints(run_dir, spec.checkpoint.keep)
+                if hasattr(sink, "checkpoint"):
+                    sink.checkpoint(step, version, str(saved.resolve()))
             if spec.eval.every and eval_rows and (step % spec.eval.every == 0
                                                   or step == spec.trainer.steps):
                 with timers("eval"):

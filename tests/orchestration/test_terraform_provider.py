@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from orchestration.providers import get_provider
 from orchestration.providers.terraform import TerraformError, TerraformNodeProvider
 

@@ -5,7 +5,11 @@ import math
 import pytest
 import torch
 
-from training_core.algorithms.advantages import group_advantages, is_degenerate_group, overlong_penalty
+from training_core.algorithms.advantages import (
+    group_advantages,
+    is_degenerate_group,
+    overlong_penalty,
+)
 from training_core.algorithms.loss import decoupled_ppo_loss
 from training_core.algorithms.presets import PRESETS, AlgorithmConfig, resolve_algorithm
 

@@ -77,3 +77,23 @@ def test_pack_micro_batches_never_pads_a_sample_past_twice_its_length():
     for b in pack_micro_batches(lengths, 8192):
         longest = max(lengths[i] for i in b)
         assert all(2 * lengths[i] >= longest for i in b)
+
+
+def test_zero_stages_give_the_same_update_on_cpu(tiny_model_dir, tmp_path):
+    """trainer.zero_stage changes how state is partitioned, never the maths."""
+    loss_fn = lambda *a, **k: decoupled_ppo_loss(*a, cfg=PRESETS["grpo"], **k)  # noqa: E731
+    results = {}
+    for stage in (0, 1, 2, 3):
+        t = DeepSpeedTrainer(tiny_model_dir, lr=1e-3, weight_decay=0.0, grad_clip=10.0, zero_stage=stage)
+        b = _batch(seed=3)
+        prox = t.logprobs(b)
+        b.behav_logp = prox.clone()
+        stats = t.train_step(b, prox, loss_fn)
+        delta = ((t.logprobs(b) - prox) * b.loss_mask).sum(-1)
+        exported = load_file(str(t.save_weights(tmp_path / f"z{stage}") / "model.safetensors"))
+        results[stage] = (stats["grad_norm"], delta, exported["model.norm.weight"])
+    g0, d0, w0 = results[0]
+    for stage in (1, 2, 3):
+        g, d, w = results[stage]
+        assert g == pytest.approx(g0, rel=1e-4)
+        assert torch.allclose(d, d0, atol=1e-4) and torch.allclose(w, w0, atol=1e-6)

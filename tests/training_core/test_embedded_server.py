@@ -15,7 +15,7 @@ from tests.training_core.conftest import generate
 from training_core.api import GenerationRequest, SamplingParams
 from training_core.engines.deepspeed_trainer import sequence_logprobs
 from training_core.engines.rollout_client import RolloutClient
-from training_core.models.loading import load_model, load_tokenizer
+from training_core.models.loading import load_model
 
 
 def test_health_and_model_info(server):

@@ -16,6 +16,7 @@ def test_sink_delivers_metrics_events_trajectories_and_status(live_server, run, 
     for step in range(1, 4):
         sink.log(step, {"reward/mean": step / 10, "loss": 0.5, "flag": True})
     sink.event("checkpoint", "saved step 3", step=3)
+    sink.checkpoint(3, 3, "/runs/x/checkpoints/step3")
     sink.trajectories(3, [{"index": 0, "prompt": "1+1=", "completion": "2", "reward": 1.0,
                            "tokens": ["2"], "token_versions": [2]}])
     sink.close()
@@ -24,6 +25,7 @@ def test_sink_delivers_metrics_events_trajectories_and_status(live_server, run, 
     assert not MetricPoint.objects.filter(key="flag").exists()  # booleans are not metrics
     assert RunEvent.objects.filter(run=run, kind="checkpoint").count() == 1
     assert TrajectorySample.objects.filter(run=run, step=3).count() == 1
+    assert run.checkpoints.get().path == "/runs/x/checkpoints/step3"
     run.refresh_from_db()
     assert run.status == "running"
 

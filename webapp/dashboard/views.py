@@ -59,6 +59,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "run": run, "charts": CHARTS, "charts_json": json.dumps(CHARTS),
         "latest": sorted(latest_metrics(run=run).items()), "events": run.events.order_by("-id")[:100],
         "live": run.status not in Run.TERMINAL, "steps": trajectory_steps(run=run),
+        "checkpoints": run.checkpoints.order_by("-step")[:20],
         "spec_json": json.dumps(run.spec, indent=2)})
 
 

@@ -1,4 +1,5 @@
 from webapp.config.settings.base import *  # noqa: F403
+from webapp.config.settings.base import DATABASES
 
 DEBUG = False
 ALLOWED_HOSTS = ["*"]

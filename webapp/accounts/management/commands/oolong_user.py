@@ -4,7 +4,12 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 
 from webapp.accounts.models import Project
-from webapp.accounts.services import membership_add, project_create, token_get_or_create, user_create
+from webapp.accounts.services import (
+    membership_add,
+    project_create,
+    token_get_or_create,
+    user_create,
+)
 
 
 class Command(BaseCommand):
