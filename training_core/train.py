@@ -36,7 +36,7 @@ from training_core.batching import build_train_batch
 from training_core.checkpoint import checkpoint_dir, latest_checkpoint, prune_checkpoints
 from training_core.config import RunSpec, dump_spec
 from training_core.data.datasets import PromptLoader, load_data
-from training_core.engines.deepspeed_trainer import DeepSpeedTrainer
+from training_core.engines.deepspeed_trainer import DeepSpeedTrainer, TrainBatch, rank_and_world
 from training_core.engines.rollout_client import RolloutClient
 from training_core.launch import Fleet, start_embedded_fleet
 from training_core.metrics import JsonlSink, MultiSink, truncate_metrics
@@ -166,6 +166,16 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
     algo = resolve_algorithm(spec.algorithm.preset, **spec.algorithm.model_dump(exclude={"preset"}))
     B = spec.trainer.batch_groups
 
+    trainer = DeepSpeedTrainer(
+        model_dir, lr=spec.trainer.lr, weight_decay=spec.trainer.weight_decay,
+        grad_clip=spec.trainer.grad_clip, zero_stage=spec.trainer.zero_stage,
+        dtype=spec.model.dtype, dist_backend=spec.trainer.dist_backend,
+        temperature=spec.rollout.temperature, micro_batch_tokens=spec.trainer.micro_batch_tokens,
+        keep_reference=algo.kl_coef > 0)
+    rank, world = rank_and_world()
+    if rank != 0:  # data-parallel ranks train on their shard; rank 0 owns everything else
+        return follow_rank0(spec, trainer, algo, run_dir, resume=bool(resume_dir))
+
     fleet: Fleet | None = None
     if spec.rollout.server_urls:
         urls = list(spec.rollout.server_urls)
@@ -175,12 +185,6 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
                                      max_batch_size=spec.rollout.max_batch_size, seed=spec.seed)
         urls = fleet.urls
     client = RolloutClient(urls, timeout_s=spec.rollout.request_timeout_s)
-    trainer = DeepSpeedTrainer(
-        model_dir, lr=spec.trainer.lr, weight_decay=spec.trainer.weight_decay,
-        grad_clip=spec.trainer.grad_clip, zero_stage=spec.trainer.zero_stage,
-        dtype=spec.model.dtype, dist_backend=spec.trainer.dist_backend,
-        temperature=spec.rollout.temperature, micro_batch_tokens=spec.trainer.micro_batch_tokens,
-        keep_reference=algo.kl_coef > 0)
     staleness = StalenessManager(batch_groups=B, max_staleness=spec.rollout.max_staleness,
                                  max_concurrent=spec.rollout.max_concurrent)
     loader = PromptLoader(data.train, spec.seed)
@@ -250,6 +254,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
             with timers("prepare"):
                 tb = build_train_batch(batch.groups, pad_id=tokenizer.pad_token_id, algo=algo,
                                        max_new_tokens=spec.rollout.max_new_tokens)
+                tb = scatter_batch(tb, world)  # this rank's share (all of it with one process)
 
             # 3. Proximal logprobs: the policy right before this update, by a trainer forward.
             with timers("proximal_logp"):
@@ -325,6 +330,8 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
         if report:
             report("succeeded")
     except BaseException as exc:
+        if world > 1:
+            scatter_batch(None, world)  # tell the other ranks to stop
         sink.event("failed", f"{type(exc).__name__}: {exc}", step=step)
         if report:
             report("failed", f"{type(exc).__name__}: {exc}")
@@ -360,3 +367,51 @@ def _prune_weights(root: Path, keep_version: int) -> None:
             continue
         if v < keep_version - 1:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def scatter_batch(tb: TrainBatch | None, world: int) -> TrainBatch | None:
+    """Rank 0 splits the batch across ranks (interleaved, so lengths balance); every rank gets
+    its share. ``None`` from rank 0 means: stop."""
+    if world == 1:
+        return tb
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    box: list = [None]
+    if rank == 0 and tb is not None:
+        n = tb.input_ids.shape[0]
+        if n < world:
+            raise ValueError(f"a batch of {n} samples cannot feed {world} ranks")
+        box = [[tb.select(list(range(r, n, world))) for r in range(world)]]
+    dist.broadcast_object_list(box, src=0)
+    return None if box[0] is None else box[0][rank]
+
+
+def follow_rank0(spec: RunSpec, trainer: DeepSpeedTrainer, algo: AlgorithmConfig, run_dir: Path,
+                 *, resume: bool) -> RunResult:
+    """The loop of ranks other than 0: the same collective calls in the same order (train step,
+    weight gather for export, checkpoint), on the shard rank 0 sends."""
+    start = time.perf_counter()
+    _, world = rank_and_world()
+    version, first_step = 0, 1
+    found = latest_checkpoint(run_dir) if resume else None
+    if found:
+        state = trainer.load_checkpoint(checkpoint_dir(run_dir), found[1])
+        version, first_step = state["version"], state["step"] + 1
+        trainer.save_weights(run_dir / "weights" / f"v{version}")
+    loss_fn = lambda *a, **k: decoupled_ppo_loss(*a, cfg=algo, **k)  # noqa: E731
+    step = first_step - 1
+    for step in range(first_step, spec.trainer.steps + 1):
+        tb = scatter_batch(None, world)
+        if tb is None:
+            break
+        prox = (trainer.logprobs(tb) if algo.decoupled and spec.trainer.recompute_proximal
+                else tb.behav_logp.clone())
+        ref = trainer.logprobs(tb, trainer.reference) if trainer.reference is not None else None
+        trainer.train_step(tb, prox, loss_fn, minibatches=spec.trainer.ppo_minibatches, ref_logp=ref)
+        trainer.save_weights(run_dir / "weights" / f"v{version + 1}")
+        version += 1
+        if spec.checkpoint.every and step % spec.checkpoint.every == 0:
+            trainer.save_checkpoint(checkpoint_dir(run_dir), f"step{step}",
+                                    {"version": version, "step": step, "loader_position": 0})
+    return RunResult(run_dir, version, step, None, None, time.perf_counter() - start)

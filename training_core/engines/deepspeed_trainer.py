@@ -94,6 +94,22 @@ def init_distributed(backend: str = "auto") -> None:
             os.environ.pop(k, None)
 
 
+def rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce_sum(values: list[float]) -> list[float]:
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       temperature: float) -> torch.Tensor:
     """logp[:, t] = log pi(input_ids[:, t] | input_ids[:, :t]); column 0 is 0."""
@@ -169,9 +185,17 @@ class DeepSpeedTrainer:
         chunks = [order[i::minibatches] for i in range(minibatches) if order[i::minibatches]]
         totals = {"loss": 0.0, "tokens": 0.0, "clipped": 0.0, "behav_weight_sum": 0.0,
                   "behav_weight_max": 0.0, "behav_masked": 0.0, "kl_sum": 0.0, "grad_norm": 0.0}
+        rank, world = rank_and_world()
+        if world > 1 and len(chunks) != minibatches:
+            raise ValueError(f"rank {rank} got {n} samples for {minibatches} minibatches: every rank "
+                             "needs at least one sample per minibatch")
         for chunk in chunks:
             sub = batch.select(chunk)
             num_tokens = float(sub.loss_mask.sum())
+            if world > 1:
+                # DeepSpeed averages gradients over ranks; normalising each rank's sum by
+                # (global tokens / world) makes that average the global token mean.
+                num_tokens = _all_reduce_sum([num_tokens])[0] / world
             for idx in pack_micro_batches(sub.lengths, self.micro_batch_tokens):
                 mb = sub.select(idx)
                 rows = torch.tensor([chunk[i] for i in idx])
@@ -197,6 +221,11 @@ class DeepSpeedTrainer:
             norm = self.engine.get_global_grad_norm()
             norm = float(norm) if norm is not None else local_norm
             totals["grad_norm"] = max(totals["grad_norm"], norm)
+        if world > 1:  # metrics describe the global batch
+            keys = ["loss", "tokens", "clipped", "behav_weight_sum", "behav_masked", "kl_sum"]
+            summed = _all_reduce_sum([totals[k] for k in keys])
+            totals.update(dict(zip(keys, summed, strict=True)))
+            totals["loss"] /= world
         return totals
 
     def _grad_norm(self) -> float:
@@ -222,10 +251,12 @@ class DeepSpeedTrainer:
         from safetensors.torch import save_file
 
         path = Path(path)
+        state = self._full_state_dict()  # every rank takes part (ZeRO-3 gathers)
+        if rank_and_world()[0] != 0:
+            return path
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        state = self._full_state_dict()
         if self.tied:  # safetensors refuses shared storage; the server re-ties on load
             state.pop("lm_head.weight", None)
         save_file(state, str(tmp / "model.safetensors"))
@@ -238,8 +269,14 @@ class DeepSpeedTrainer:
         state["rng"] = {"python": random.getstate(), "numpy": np.random.get_state(),
                         "torch": torch.get_rng_state()}
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state)
+        rank, world = rank_and_world()
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
         # The marker is written last: a checkpoint without it was interrupted and is ignored.
-        (Path(ckpt_dir) / tag / "COMPLETE").write_text("ok")
+        if rank == 0:
+            (Path(ckpt_dir) / tag / "COMPLETE").write_text("ok")
         return Path(ckpt_dir) / tag
 
     def load_checkpoint(self, ckpt_dir: str | Path, tag: str) -> dict[str, Any]:
