@@ -181,8 +181,11 @@ class RunSpec(_Section):
         if self.rollout.backend == "sglang" and not self.rollout.server_urls:
             # The orchestration layer fills server_urls after launching the fleet.
             pass
-        if self.weight_sync == "nccl" and self.rollout.backend == "embedded":
-            raise ValueError("weight_sync 'nccl' needs rollout.backend 'sglang' on GPUs; use 'disk'")
+        if self.weight_sync == "nccl":
+            # /init_weights_update_group + /update_weights_from_distributed are not wired into the
+            # trainer yet: refuse instead of silently falling back to disk.
+            raise ValueError("weight_sync 'nccl' is not implemented yet; use 'disk' (works with "
+                             "SGLang and the embedded server)")
         return self
 
 

@@ -50,3 +50,8 @@ def test_resolved_spec_round_trips(tmp_path):
     spec = load_spec(None, ["name=rt", "rollout.group_size=3"])
     dump_spec(spec, tmp_path / "spec.yaml")
     assert load_spec(tmp_path / "spec.yaml") == spec
+
+
+def test_nccl_weight_sync_is_refused_not_silently_replaced():
+    with pytest.raises(SpecError, match="not implemented yet"):
+        load_spec(None, ["weight_sync=nccl", "rollout.backend=sglang"])
