@@ -114,3 +114,16 @@ def test_openapi_schema_and_docs(api):
     assert {"get", "post"} <= set(paths["/api/runs/"])
     docs = api.get("/api/docs/")
     assert docs.status_code == 200 and b"cdn" not in docs.content.lower()
+
+
+@pytest.mark.parametrize("url", ["/api/runs/?project=abc", "/api/datasets/?project=abc",
+                                 "/api/rewards/?project=1x"])
+def test_bad_query_parameters_are_400s_naming_the_field(api, url):
+    r = api.get(url)
+    assert r.status_code == 400 and r.json()["errors"][0]["field"] == "project"
+
+
+def test_dashboard_run_list_ignores_a_bad_project_filter(client, alice, run):
+    client.force_login(alice)
+    r = client.get("/?project=abc&status=queued")
+    assert r.status_code == 200 and b"r1" in r.content

@@ -42,9 +42,9 @@ LIST_KEYS = ["reward/mean", "eval/accuracy", "staleness/mean", "tokens_per_s"]
 def run_list_view(request: HttpRequest) -> HttpResponse:
     status = request.GET.get("status") or None
     search = request.GET.get("q") or None
-    project = request.GET.get("project")
+    project = request.GET.get("project", "")
     runs = list(run_list(user=request.user, status=status, search=search,
-                         project_id=int(project) if project else None)[:200])
+                         project_id=int(project) if project.isdigit() else None)[:200])
     latest = latest_metrics_for_runs(runs=runs, keys=LIST_KEYS)
     rows = [{"run": r, "metrics": [latest[r.id].get(k) for k in LIST_KEYS]} for r in runs]
     return render(request, "dashboard/run_list.html", {

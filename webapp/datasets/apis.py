@@ -4,6 +4,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from webapp.accounts.selectors import project_get_for_user
+from webapp.api.params import int_param
 from webapp.datasets.models import Dataset
 from webapp.datasets.selectors import dataset_get, dataset_list, dataset_version_get
 from webapp.datasets.services import BUILTINS, dataset_create_builtin, dataset_upload
@@ -36,8 +37,7 @@ class DatasetOutput(serializers.Serializer):
 
 class DatasetListApi(APIView):
     def get(self, request):
-        project = request.query_params.get("project")
-        qs = dataset_list(user=request.user, project_id=int(project) if project else None)
+        qs = dataset_list(user=request.user, project_id=int_param(request, "project"))
         return Response(DatasetOutput(qs.prefetch_related("versions"), many=True).data)
 
 

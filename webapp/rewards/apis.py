@@ -3,6 +3,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from webapp.accounts.selectors import project_get_for_user
+from webapp.api.params import int_param
 from webapp.rewards.selectors import reward_function_get, reward_function_list
 from webapp.rewards.services import reward_function_create
 
@@ -29,8 +30,7 @@ class RewardOutput(serializers.Serializer):
 
 class RewardListApi(APIView):
     def get(self, request):
-        project = request.query_params.get("project")
-        qs = reward_function_list(user=request.user, project_id=int(project) if project else None)
+        qs = reward_function_list(user=request.user, project_id=int_param(request, "project"))
         return Response(RewardOutput(qs, many=True).data)
 
 

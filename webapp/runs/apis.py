@@ -4,6 +4,8 @@ from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from webapp.api.params import int_param
+
 from webapp.accounts.selectors import project_get_for_user
 from webapp.datasets.selectors import dataset_version_get
 from webapp.rewards.selectors import reward_version_get
@@ -39,7 +41,7 @@ class RunDetailOutput(RunOutput):
 class RunListApi(APIView):
     def get(self, request):
         q = request.query_params
-        qs = run_list(user=request.user, project_id=int(q["project"]) if q.get("project") else None,
+        qs = run_list(user=request.user, project_id=int_param(request, "project"),
                       status=q.get("status"), search=q.get("search"))
         page = LimitOffsetPagination()
         items = page.paginate_queryset(qs, request, view=self)
