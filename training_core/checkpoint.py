@@ -9,6 +9,15 @@ from pathlib import Path
 STEP_TAG = re.compile(r"^step(\d+)$")
 
 
+def pushed_weights(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """The weight folders pushed to the rollout servers, ``weights/v<version>``, oldest first."""
+    found = []
+    for d in (Path(run_dir) / "weights").glob("v*"):
+        if d.name[1:].isdigit() and (d / "model.safetensors").exists():
+            found.append((int(d.name[1:]), d))
+    return sorted(found)
+
+
 def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 

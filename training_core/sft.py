@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from training_core.config import RunSpec
 from training_core.data.datasets import load_data
-from training_core.models.loading import load_model, load_tokenizer, resolve_model_dir
+from training_core.models.loading import load_model, load_tokenizer, spec_model_dir
 from training_core.workflows.base import WorkflowContext
 
 
@@ -23,8 +23,7 @@ def sft(spec: RunSpec, out_dir: str | Path, *, steps: int = 300, seconds: float 
         batch_size: int = 64, lr: float = 3e-3, progress: bool = True) -> Path:
     torch.manual_seed(spec.seed)
     torch.set_num_threads(spec.trainer.threads)
-    model_dir = resolve_model_dir(spec.model.path, hidden_size=spec.model.hidden_size,
-                                  num_layers=spec.model.num_layers, num_heads=spec.model.num_heads)
+    model_dir = spec_model_dir(spec)
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir).train()
     data = load_data(spec.data, spec.seed + 1)  # other rows than the RL run draws first

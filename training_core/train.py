@@ -33,14 +33,19 @@ from training_core.algorithms.loss import decoupled_ppo_loss
 from training_core.algorithms.presets import AlgorithmConfig, resolve_algorithm
 from training_core.api import GenerationRequest, MetricsSink, SamplingParams
 from training_core.batching import build_train_batch
-from training_core.checkpoint import checkpoint_dir, latest_checkpoint, prune_checkpoints
+from training_core.checkpoint import (
+    checkpoint_dir,
+    latest_checkpoint,
+    prune_checkpoints,
+    pushed_weights,
+)
 from training_core.config import RunSpec, dump_spec
 from training_core.data.datasets import PromptLoader, load_data
 from training_core.engines.deepspeed_trainer import DeepSpeedTrainer, TrainBatch, rank_and_world
 from training_core.engines.rollout_client import RolloutClient
 from training_core.launch import Fleet, start_embedded_fleet
 from training_core.metrics import JsonlSink, MultiSink, truncate_metrics
-from training_core.models.loading import load_tokenizer, resolve_model_dir
+from training_core.models.loading import load_tokenizer, run_model_dir
 from training_core.rewards.pool import RewardPool
 from training_core.rollout import RolloutExecutor
 from training_core.staleness import StalenessManager
@@ -156,11 +161,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
     seed_everything(spec.seed)
 
     # ---- parts: model, data, algorithm, rollout servers, trainer --------------------------------
-    model_dir = resolve_model_dir(spec.model.path, hidden_size=spec.model.hidden_size,
-                                  num_layers=spec.model.num_layers, num_heads=spec.model.num_heads)
-    initial = run_dir / "initial_model"  # `oolong sft` may have warm-started the run dir
-    if (initial / "config.json").exists():
-        model_dir = initial
+    model_dir = run_model_dir(spec, run_dir)
     tokenizer = load_tokenizer(model_dir)
     data = load_data(spec.data, spec.seed)
     algo = resolve_algorithm(spec.algorithm.preset, **spec.algorithm.model_dump(exclude={"preset"}))
@@ -280,7 +281,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
                 control.run_until_complete(_push_weights(client, path, version + 1))
             version += 1
             executor.kick()  # the staleness bound just moved: start more episodes
-            _prune_weights(weights_root, keep_version=version)
+            _prune_weights(run_dir, keep_version=version)
 
             # 7. Checkpoint, evaluate, log: generation is already running again.
             if spec.checkpoint.every and step % spec.checkpoint.every == 0:
@@ -358,13 +359,9 @@ async def _push_weights(client: RolloutClient, path: Path, version: int, close: 
             await client.aclose()
 
 
-def _prune_weights(root: Path, keep_version: int) -> None:
+def _prune_weights(run_dir: Path, keep_version: int) -> None:
     # Keep the live version and the one before (a server may still be reading it).
-    for d in root.glob("v*"):
-        try:
-            v = int(d.name[1:])
-        except ValueError:
-            continue
+    for v, d in pushed_weights(run_dir):
         if v < keep_version - 1:
             shutil.rmtree(d, ignore_errors=True)
 

@@ -20,6 +20,11 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOYMENT = "training-run/training-run"
 
 
+def flow_run_dir(run_id: int) -> Path:
+    """Where a run's flow keeps its files (spec, data, weights, checkpoints, logs)."""
+    return Path(os.environ.get("OOLONG_RUNS_DIR", ROOT / "runs")) / "flows" / f"run-{run_id}"
+
+
 def prefect_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("PREFECT_HOME", str(ROOT / ".cache" / "prefect"))
@@ -44,7 +49,7 @@ def submit_training_run(*, run_id: int, tracker_url: str, ingest_token: str,
                                   parameters={"run_id": run_id, "tracker_url": tracker_url,
                                               "ingest_token": ingest_token, "provider": provider})
         return f"prefect:{flow_run.id}"
-    runs_dir = Path(os.environ.get("OOLONG_RUNS_DIR", ROOT / "runs")) / "flows" / f"run-{run_id}"
+    runs_dir = flow_run_dir(run_id)
     runs_dir.mkdir(parents=True, exist_ok=True)
     env = prefect_env()
     env["OOLONG_INGEST_TOKEN"] = ingest_token  # not on the command line (visible in ps)

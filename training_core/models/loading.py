@@ -44,6 +44,20 @@ def resolve_model_dir(path: str, *, hidden_size: int = 128, num_layers: int = 4,
     return folder
 
 
+def run_model_dir(spec, run_dir: str | Path) -> Path:
+    """The model a run starts from: its warm-started ``initial_model`` when `oolong sft` made one,
+    else the spec's ``model.path`` (a RunSpec)."""
+    initial = Path(run_dir) / "initial_model"
+    return initial if (initial / "config.json").exists() else spec_model_dir(spec)
+
+
+def spec_model_dir(spec) -> Path:
+    """The folder of the spec's ``model.path`` (a RunSpec), built or converted on first use."""
+    m = spec.model
+    return resolve_model_dir(m.path, hidden_size=m.hidden_size, num_layers=m.num_layers,
+                             num_heads=m.num_heads)
+
+
 def load_model(folder: str | Path, dtype: str = "float32") -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype])
     model.config.use_cache = True

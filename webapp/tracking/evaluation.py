@@ -2,35 +2,30 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 from webapp.runs.models import Run
 from webapp.runs.services import run_event_add
 from webapp.tracking.services import metrics_ingest
 
 
-def _run_dir(run: Run) -> Path:
-    return Path(os.environ.get("OOLONG_RUNS_DIR", Path.cwd() / "runs")) / "flows" / f"run-{run.id}"
-
-
 def checkpoint_evaluate(*, run_id: int, checkpoint_step: int | None = None, limit: int = 200) -> dict:
     import torch
+    from orchestration.trigger import flow_run_dir
     from safetensors.torch import load_file
 
-    from training_core.models.loading import load_model, load_tokenizer, resolve_model_dir
+    from training_core.checkpoint import pushed_weights
+    from training_core.config import spec_from_dict
+    from training_core.models.loading import load_model, load_tokenizer, run_model_dir
     from training_core.rewards.registry import resolve_reward
     from webapp.datasets.selectors import dataset_version_rows
 
     run = Run.objects.select_related("dataset_version", "reward_version").get(id=run_id)
-    run_dir = _run_dir(run)
-    weights = sorted((int(d.name[1:]), d) for d in (run_dir / "weights").glob("v*") if d.name[1:].isdigit())
+    run_dir = flow_run_dir(run.id)
+    weights = pushed_weights(run_dir)
     if not weights:
         raise FileNotFoundError(f"no pushed weights under {run_dir / 'weights'}")
     version, wdir = weights[-1] if checkpoint_step is None else next(
         w for w in weights if w[0] == checkpoint_step)
-    base = run_dir / "initial_model"
-    base = base if (base / "config.json").exists() else resolve_model_dir(run.spec["model"]["path"])
+    base = run_model_dir(spec_from_dict(run.spec), run_dir)
     model, tok = load_model(base).eval(), load_tokenizer(base)
     model.load_state_dict(load_file(str(wdir / "model.safetensors")), strict=False)
     model.tie_weights()

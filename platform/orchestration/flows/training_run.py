@@ -27,8 +27,11 @@ from orchestration.launchers import trainer_command
 from orchestration.providers import NodeInventory, get_provider
 from orchestration.supervise import Outcome, supervise
 from orchestration.tracker import Tracker
+from orchestration.trigger import flow_run_dir
+from training_core.checkpoint import pushed_weights
 from training_core.config import RunSpec
 from training_core.launch import Fleet, embedded_server_command, free_port, sglang_server_command
+from training_core.models.loading import run_model_dir
 
 
 @dataclass
@@ -36,10 +39,6 @@ class RunProcesses:
     fleet: Fleet | None = None
     trainer: subprocess.Popen | None = None
     extra: list[subprocess.Popen] = field(default_factory=list)
-
-
-def runs_root() -> Path:
-    return Path(os.environ.get("OOLONG_RUNS_DIR", Path.cwd() / "runs")) / "flows"
 
 
 @task(name="provision-nodes", cache_policy=NO_CACHE)  # side effects: never cached
@@ -68,15 +67,6 @@ def warm_start(spec: RunSpec, spec_path: Path, run_dir: Path) -> Path | None:
     return out
 
 
-def _model_dir(spec: RunSpec, run_dir: Path) -> str:
-    if (run_dir / "initial_model" / "config.json").exists():
-        return str(run_dir / "initial_model")
-    from training_core.models.loading import resolve_model_dir
-
-    return str(resolve_model_dir(spec.model.path, hidden_size=spec.model.hidden_size,
-                                 num_layers=spec.model.num_layers, num_heads=spec.model.num_heads))
-
-
 def _env(run_dir: Path) -> dict[str, str]:
     # User reward modules are written into the run directory: make them importable.
     path = os.pathsep.join(p for p in [str(run_dir), os.environ.get("PYTHONPATH", "")] if p)
@@ -98,7 +88,7 @@ def _spawn_server(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
 
 @task(name="start-rollout-fleet", cache_policy=NO_CACHE)  # side effects: never cached
 def start_rollout_fleet(spec: RunSpec, run_dir: Path, inventory: NodeInventory) -> Fleet:
-    model_dir = _model_dir(spec, run_dir)
+    model_dir = str(run_model_dir(spec, run_dir))
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(urls=[])
@@ -150,19 +140,11 @@ def tear_down(procs: RunProcesses) -> None:
         _stop(p, grace_s=5)
 
 
-def _latest_weights(run_dir: Path) -> tuple[int, Path] | None:
-    found = []
-    for d in (run_dir / "weights").glob("v*"):
-        if d.name[1:].isdigit() and (d / "model.safetensors").exists():
-            found.append((int(d.name[1:]), d))
-    return max(found) if found else None
-
-
 @flow(name="training-run", log_prints=True)
 def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str = "local") -> str:
     logger = get_run_logger()
     tracker = Tracker(tracker_url, ingest_token)
-    run_dir = runs_root() / f"run-{run_id}"
+    run_dir = flow_run_dir(run_id)
     procs = RunProcesses()
     outcome = Outcome("failed", "the flow stopped before the trainer started")
     prov = get_provider(provider)
@@ -190,14 +172,15 @@ def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str
             fleet = procs.fleet
             port = int(fleet.urls[i].rsplit(":", 1)[1])
             fleet.processes[i] = _spawn_server(
-                _server_command(spec, _model_dir(spec, run_dir), port, i), fleet.logs[i], _env(run_dir))
+                _server_command(spec, str(run_model_dir(spec, run_dir)), port, i), fleet.logs[i], _env(run_dir))
             Fleet(urls=[fleet.urls[i]], processes=[fleet.processes[i]], logs=[fleet.logs[i]]).wait_healthy(300)
-            latest = _latest_weights(run_dir)
-            if latest is not None:  # bring it to the trainer's current version
+            pushed = pushed_weights(run_dir)
+            if pushed:  # bring it to the trainer's current version
                 import httpx
 
+                version, path = pushed[-1]
                 httpx.post(fleet.urls[i] + "/update_weights_from_disk", timeout=120, json={
-                    "model_path": str(latest[1].resolve()), "weight_version": str(latest[0])})
+                    "model_path": str(path.resolve()), "weight_version": str(version)})
 
         outcome = supervise(tracker, procs.trainer, procs.fleet, run_dir,
                             trainer_log=run_dir / "logs" / "trainer.log",
