@@ -80,16 +80,16 @@ class HttpSink:
 
     def close(self) -> None:
         deadline = time.monotonic() + self.close_timeout_s
-        while self.pending() and time.monotonic() < deadline:
+        while self._has_pending() and time.monotonic() < deadline:
             self._wake.set()
             time.sleep(0.1)
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=5)
         self._client.close()
-        if self.pending():
+        if left := self.pending():
             log.warning("tracker unreachable: %d records kept in %s for later delivery",
-                        self.pending(), self.spool)
+                        left, self.spool)
 
     # ---- delivery ------------------------------------------------------------------------
 
@@ -118,6 +118,10 @@ class HttpSink:
     def pending(self) -> int:
         records, _ = self._read_pending()
         return len(records)
+
+    def _has_pending(self) -> bool:
+        # The spool only grows; anything past the delivered offset is pending. No parsing.
+        return self.spool.exists() and self.spool.stat().st_size > self._offset()
 
     def _post(self, path: str, payload: dict[str, Any]) -> None:
         resp = self._client.post(self.base + path, json=payload, headers=self.headers)
@@ -162,7 +166,7 @@ class HttpSink:
                 self.cursor_file.write_text(str(end))
                 self.delivered += len(records)
                 backoff = self.flush_interval_s
-                if self._read_pending()[0]:
+                if self._has_pending():
                     self._wake.set()
                 continue
             if self._stop:

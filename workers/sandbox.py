@@ -7,6 +7,7 @@ Never called from the web process: a Celery worker runs it (see tasks.reward_val
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -48,6 +49,7 @@ print(json.dumps(out))
 '''
 
 
+@functools.cache  # the kernel's answer does not change while this worker runs
 def _network_isolation_available() -> bool:
     if not shutil.which("unshare"):
         return False
