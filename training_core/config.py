@@ -178,9 +178,6 @@ class RunSpec(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunSpec:
-        if self.rollout.backend == "sglang" and not self.rollout.server_urls:
-            # The orchestration layer fills server_urls after launching the fleet.
-            pass
         if self.weight_sync == "nccl":
             # /init_weights_update_group + /update_weights_from_distributed are not wired into the
             # trainer yet: refuse instead of silently falling back to disk.

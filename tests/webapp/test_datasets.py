@@ -112,3 +112,14 @@ def test_upload_api_errors_are_json_with_line_and_field(api, project):
     body = r.json()
     assert body["errors"][0]["line"] == 1 and body["errors"][0]["field"] == "answer"
     assert "nothing was stored" in body["message"]
+
+
+def test_revalidate_a_stored_version(dataset_version):
+    from webapp.datasets.services import dataset_version_revalidate
+
+    assert dataset_version_revalidate(version_id=dataset_version.id) == {"ok": True, "errors": [], "rows": 30}
+    # A schema that tightened after upload: the same rows now fail for a GSM8K task.
+    dataset_version.dataset.task = "gsm8k"
+    dataset_version.dataset.save()
+    report = dataset_version_revalidate(version_id=dataset_version.id)
+    assert not report["ok"] and report["errors"][0]["line"] == 1 and report["errors"][0]["field"] == "answer"

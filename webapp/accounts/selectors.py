@@ -19,6 +19,3 @@ def project_get_for_user(*, user, project_id: int | None = None, slug: str | Non
     except Project.DoesNotExist:
         raise Http404("project not found") from None
 
-
-def user_can_access(*, user, project: Project) -> bool:
-    return project.membership_set.filter(user=user).exists()

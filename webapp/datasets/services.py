@@ -116,13 +116,11 @@ def dataset_create_builtin(*, project: Project, user, name: str, builtin: str, s
 
 def dataset_version_revalidate(*, version_id: int) -> dict:
     """Check a stored version against its task schema again; returns {ok, errors}."""
-    import json as _json
-
+    from webapp.datasets.selectors import dataset_version_rows
     from webapp.datasets.validation import ValidationResult, validate_rows
 
     version = DatasetVersion.objects.select_related("dataset").get(id=version_id)
     result = ValidationResult()
-    with open(version.rows_path, encoding="utf-8") as fh:
-        parsed = [(i, _json.loads(line)) for i, line in enumerate(fh, 1)]
+    parsed = list(enumerate(dataset_version_rows(version=version), 1))
     validate_rows(parsed, version.dataset.task, result)
     return {"ok": not result.errors, "errors": result.errors, "rows": len(parsed)}

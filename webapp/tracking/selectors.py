@@ -12,10 +12,6 @@ from webapp.runs.models import Run
 from webapp.tracking.models import LatestMetric, MetricPoint, TrajectorySample
 
 
-def metric_keys(*, run: Run) -> list[str]:
-    return sorted(LatestMetric.objects.filter(run=run).values_list("key", flat=True))
-
-
 def latest_metrics(*, run: Run) -> dict[str, float]:
     return dict(LatestMetric.objects.filter(run=run).values_list("key", "value"))
 

@@ -10,7 +10,7 @@ from django.db import connection, transaction
 
 from webapp.api.errors import ApplicationError
 from webapp.runs.models import Run
-from webapp.tracking.models import Artifact, Checkpoint, LatestMetric, MetricPoint, TrajectorySample
+from webapp.tracking.models import Checkpoint, LatestMetric, MetricPoint, TrajectorySample
 
 MAX_POINTS_PER_BATCH = 50_000
 
@@ -103,6 +103,3 @@ def checkpoint_record(*, run: Run, step: int, version: int, path: str) -> Checkp
     return Checkpoint.objects.update_or_create(run=run, step=step,
                                                defaults={"version": version, "path": path})[0]
 
-
-def artifact_record(*, run: Run, name: str, uri: str, kind: str = "file") -> Artifact:
-    return Artifact.objects.update_or_create(run=run, name=name, defaults={"uri": uri, "kind": kind})[0]

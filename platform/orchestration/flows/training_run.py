@@ -17,7 +17,7 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -38,7 +38,6 @@ from training_core.models.loading import run_model_dir
 class RunProcesses:
     fleet: Fleet | None = None
     trainer: subprocess.Popen | None = None
-    extra: list[subprocess.Popen] = field(default_factory=list)
 
 
 @task(name="provision-nodes", cache_policy=NO_CACHE)  # side effects: never cached
@@ -136,8 +135,6 @@ def tear_down(procs: RunProcesses) -> None:
     if procs.fleet is not None:
         for p in procs.fleet.processes:
             _stop(p, grace_s=5)
-    for p in procs.extra:
-        _stop(p, grace_s=5)
 
 
 @flow(name="training-run", log_prints=True)
