@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from training_core.launch import free_port  # noqa: E402
+from training_core.runs_cli import watch_run  # noqa: E402
 
 
 def sh(*args: str, env: dict, **kw) -> subprocess.CompletedProcess:
@@ -115,7 +116,7 @@ def main() -> int:
         print(f"\n    Dashboard: {url}   (log in as demo / demo)\n", flush=True)
 
         print("3/4 Celery -> Prefect flow: warm start, rollout server, DeepSpeed trainer", flush=True)
-        final = follow(api, run["id"])
+        final = watch_run(api, run["id"])
         print(f"4/4 run {run['id']} {final['status']}"
               + (f": {final['status_reason']}" if final["status_reason"] else ""), flush=True)
         summary(api, run["id"])
@@ -133,29 +134,6 @@ def main() -> int:
             proc.terminate()
             proc.wait(timeout=15)
     return 0
-
-
-def follow(api: httpx.Client, run_id: int) -> dict:
-    """A progress bar from the tracker until the run ends; the run's events print above it."""
-    from tqdm import tqdm
-
-    run = api.get(f"/api/runs/{run_id}/").json()
-    bar = tqdm(total=run["spec"]["trainer"]["steps"], unit="step", dynamic_ncols=True)
-    last_event = 0
-    while True:
-        for e in api.get(f"/api/runs/{run_id}/events/", params={"after": last_event}).json():
-            last_event = e["id"]
-            if e["kind"] not in ("trainer_log",):
-                bar.write(f"    [{e['time'][11:19]}] {e['kind']}: {e['message'].splitlines()[0][:120]}")
-        run = api.get(f"/api/runs/{run_id}/").json()
-        m = run["latest_metrics"]
-        bar.update(max(0, int(m.get("version", 0)) - bar.n))
-        bar.set_postfix(status=run["status"], reward=f"{m.get('reward/mean', 0):.3f}",
-                        eval_acc=f"{m.get('eval/accuracy', 0):.2f}")
-        if run["status"] in ("succeeded", "failed", "cancelled"):
-            bar.close()
-            return run
-        time.sleep(2)
 
 
 def summary(api: httpx.Client, run_id: int) -> None:

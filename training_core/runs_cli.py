@@ -72,22 +72,32 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def watch_run(http: httpx.Client, run_id: int, *, interval: float = 2.0) -> dict:
+    """A progress bar read from the tracker until the run ends; its events print above it."""
+    run = _check(http.get(f"/api/runs/{run_id}/"))
+    bar = tqdm(total=run["spec"]["trainer"]["steps"], desc=f"run {run['id']} {run['name']}",
+               unit="step", dynamic_ncols=True)
+    last_event = 0
+    while True:
+        for e in _check(http.get(f"/api/runs/{run_id}/events/", params={"after": last_event})):
+            last_event = e["id"]
+            if e["kind"] != "trainer_log":
+                bar.write(f"    [{e['time'][11:19]}] {e['kind']}: {e['message'].splitlines()[0][:120]}")
+        run = _check(http.get(f"/api/runs/{run_id}/"))
+        m = run["latest_metrics"]
+        bar.update(max(0, int(m.get("version", 0)) - bar.n))
+        bar.set_postfix(status=run["status"], reward=f"{m.get('reward/mean', float('nan')):.3f}",
+                        eval_acc=f"{m.get('eval/accuracy', float('nan')):.2f}",
+                        stale=f"{m.get('staleness/mean', float('nan')):.2f}")
+        if run["status"] in TERMINAL:
+            bar.close()
+            return run
+        time.sleep(interval)
+
+
 def cmd_watch(args: argparse.Namespace) -> int:
     with _client(args) as http:
-        run = _check(http.get(f"/api/runs/{args.run_id}/"))
-        total = run["spec"]["trainer"]["steps"]
-        bar = tqdm(total=total, desc=f"run {run['id']} {run['name']}", unit="step", dynamic_ncols=True)
-        while True:
-            run = _check(http.get(f"/api/runs/{args.run_id}/"))
-            m = run["latest_metrics"]
-            step = int(m.get("version", 0))
-            bar.update(max(0, step - bar.n))
-            bar.set_postfix(status=run["status"], reward=f"{m.get('reward/mean', float('nan')):.3f}",
-                            stale=f"{m.get('staleness/mean', float('nan')):.2f}")
-            if run["status"] in TERMINAL:
-                break
-            time.sleep(args.interval)
-        bar.close()
+        run = watch_run(http, args.run_id, interval=args.interval)
     print(f"run {run['id']}: {run['status']}" + (f" ({run['status_reason']})" if run["status_reason"] else ""))
     return 0 if run["status"] == "succeeded" else 1
 
