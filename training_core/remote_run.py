@@ -7,14 +7,12 @@ spec file that ``oolong train --config`` runs, reporting back through the HTTP m
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import httpx
 
 from training_core.config import RunSpec, dump_spec, spec_from_dict
-
-USER_REWARD = re.compile(r"^oolong_user_rewards\.(r\d+_v\d+):(\w+)$")
+from training_core.rewards.registry import USER_REWARD, USER_REWARD_PACKAGE
 
 
 def prepare_remote_run(tracker_url: str, token: str, run_dir: str | Path, *,
@@ -41,7 +39,7 @@ def prepare_remote_run(tracker_url: str, token: str, run_dir: str | Path, *,
     if match and info["reward"].get("source"):
         # User reward code becomes an importable module inside the run directory; the trainer's
         # reward workers import it by path (run_dir is put on PYTHONPATH by the launcher).
-        pkg = run_dir / "oolong_user_rewards"
+        pkg = run_dir / USER_REWARD_PACKAGE
         pkg.mkdir(exist_ok=True)
         (pkg / "__init__.py").write_text("")
         (pkg / f"{match.group(1)}.py").write_text(info["reward"]["source"])

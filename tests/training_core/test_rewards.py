@@ -81,3 +81,12 @@ def test_inline_executor():
         return await pool.score("a", {"answer": "a"})
 
     assert asyncio.run(scenario()).reward == 1.0
+
+
+def test_user_reward_module_path_round_trips():
+    from training_core.rewards.registry import USER_REWARD, user_reward_fn_path
+
+    path = user_reward_fn_path(12, 3, "score")
+    assert path == "oolong_user_rewards.r12_v3:score"
+    assert USER_REWARD.match(path).groups() == ("r12_v3", "score")
+    assert USER_REWARD.match("other_pkg.r1_v1:score") is None

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
 from typing import Any
 
 from training_core.rewards.builtin import BUILTINS
 
 RewardCallable = Callable[[str, dict[str, Any]], float]
+
+# User reward code (from the web app) becomes module <package>.r<reward id>_v<version> on the node.
+USER_REWARD_PACKAGE = "oolong_user_rewards"
+USER_REWARD = re.compile(rf"^{USER_REWARD_PACKAGE}\.(r\d+_v\d+):(\w+)$")
+
+
+def user_reward_fn_path(reward_id: int, version: int, entrypoint: str) -> str:
+    return f"{USER_REWARD_PACKAGE}.r{reward_id}_v{version}:{entrypoint}"
 
 
 def resolve_reward(path: str) -> RewardCallable:

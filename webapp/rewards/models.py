@@ -52,4 +52,6 @@ class RewardFunctionVersion(models.Model):
         """What a run spec's reward.fn gets (user code is materialised as a module on the node)."""
         if self.builtin_name:
             return f"builtin:{self.builtin_name}"
-        return f"oolong_user_rewards.r{self.reward_function_id}_v{self.version}:{self.entrypoint}"
+        from training_core.rewards.registry import user_reward_fn_path
+
+        return user_reward_fn_path(self.reward_function_id, self.version, self.entrypoint)
