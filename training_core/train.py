@@ -151,6 +151,22 @@ def sample_records(groups, tokenizer, n: int) -> list[dict[str, Any]]:
     return out
 
 
+def proximal_and_reference(trainer: DeepSpeedTrainer, tb: TrainBatch, algo: AlgorithmConfig,
+                           spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs of the policy before this update (recomputed, or approximated by the behaviour
+    policy, w = 1) and of the reference policy for KL presets."""
+    if algo.decoupled and spec.trainer.recompute_proximal:
+        prox = trainer.logprobs(tb)
+    else:
+        prox = tb.behav_logp.clone()
+    ref = trainer.logprobs(tb, trainer.reference) if trainer.reference is not None else None
+    return prox, ref
+
+
+def ppo_loss(algo: AlgorithmConfig):
+    return lambda *a, **k: decoupled_ppo_loss(*a, cfg=algo, **k)
+
+
 def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool = True,
           sink: MetricsSink | None = None) -> RunResult:
     wall_start = time.perf_counter()
@@ -259,17 +275,12 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
 
             # 3. Proximal logprobs: the policy right before this update, by a trainer forward.
             with timers("proximal_logp"):
-                if algo.decoupled and spec.trainer.recompute_proximal:
-                    prox = trainer.logprobs(tb)
-                else:  # approximate pi_prox by the behaviour policy (w = 1)
-                    prox = tb.behav_logp.clone()
-                ref = trainer.logprobs(tb, trainer.reference) if trainer.reference is not None else None
+                prox, ref = proximal_and_reference(trainer, tb, algo, spec)
 
             # 4. Policy update: decoupled PPO, token mean over the global batch.
             with timers("update"):
-                stats = trainer.train_step(
-                    tb, prox, lambda *a, **k: decoupled_ppo_loss(*a, cfg=algo, **k),
-                    minibatches=spec.trainer.ppo_minibatches, ref_logp=ref)
+                stats = trainer.train_step(tb, prox, ppo_loss(algo),
+                                           minibatches=spec.trainer.ppo_minibatches, ref_logp=ref)
 
             # 5. Export weights while generation keeps running ...
             with timers("export_weights"):
@@ -396,16 +407,14 @@ def follow_rank0(spec: RunSpec, trainer: DeepSpeedTrainer, algo: AlgorithmConfig
         state = trainer.load_checkpoint(checkpoint_dir(run_dir), found[1])
         version, first_step = state["version"], state["step"] + 1
         trainer.save_weights(run_dir / "weights" / f"v{version}")
-    loss_fn = lambda *a, **k: decoupled_ppo_loss(*a, cfg=algo, **k)  # noqa: E731
     step = first_step - 1
     for step in range(first_step, spec.trainer.steps + 1):
         tb = scatter_batch(None, world)
         if tb is None:
             break
-        prox = (trainer.logprobs(tb) if algo.decoupled and spec.trainer.recompute_proximal
-                else tb.behav_logp.clone())
-        ref = trainer.logprobs(tb, trainer.reference) if trainer.reference is not None else None
-        trainer.train_step(tb, prox, loss_fn, minibatches=spec.trainer.ppo_minibatches, ref_logp=ref)
+        prox, ref = proximal_and_reference(trainer, tb, algo, spec)
+        trainer.train_step(tb, prox, ppo_loss(algo), minibatches=spec.trainer.ppo_minibatches,
+                           ref_logp=ref)
         trainer.save_weights(run_dir / "weights" / f"v{version + 1}")
         version += 1
         if spec.checkpoint.every and step % spec.checkpoint.every == 0:
