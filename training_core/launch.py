@@ -25,20 +25,23 @@ def free_port() -> int:
 
 def embedded_server_command(model_path: str, port: int, *, host: str = "127.0.0.1",
                             threads: int = 1, max_batch_size: int = 256, seed: int = 0,
-                            parent_pid: int | None = None) -> list[str]:
+                            weight_version: int = 0, parent_pid: int | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "training_core.engines.embedded_server", "--model-path",
            str(model_path), "--host", host, "--port", str(port), "--threads", str(threads),
-           "--max-batch-size", str(max_batch_size), "--seed", str(seed)]
+           "--max-batch-size", str(max_batch_size), "--seed", str(seed),
+           "--weight-version", str(weight_version)]
     return cmd + (["--parent-pid", str(parent_pid)] if parent_pid else [])
 
 
 def sglang_server_command(model_path: str, port: int, *, host: str = "0.0.0.0", tp: int = 1,
-                          mem_fraction: float = 0.8, extra: list[str] | None = None) -> list[str]:
-    """The production rollout server. Flags per SGLang's server arguments."""
+                          mem_fraction: float = 0.8, weight_version: int = 0,
+                          extra: list[str] | None = None) -> list[str]:
+    """The production rollout server. Flags per SGLang's server arguments; it starts at a known
+    ``weight_version`` (the trainer checks it through ``/model_info``)."""
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
             "--host", host, "--port", str(port), "--tp-size", str(tp),
             "--mem-fraction-static", str(mem_fraction), "--skip-tokenizer-init",
-            *(extra or [])]
+            "--weight-version", str(weight_version), *(extra or [])]
 
 
 @dataclass
@@ -81,7 +84,7 @@ class Fleet:
 
 
 def start_embedded_fleet(model_path: str, n: int, log_dir: str | Path, *, threads: int = 1,
-                         max_batch_size: int = 256, seed: int = 0) -> Fleet:
+                         max_batch_size: int = 256, seed: int = 0, weight_version: int = 0) -> Fleet:
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
@@ -92,7 +95,7 @@ def start_embedded_fleet(model_path: str, n: int, log_dir: str | Path, *, thread
         proc = subprocess.Popen(
             embedded_server_command(model_path, port, threads=threads,
                                     max_batch_size=max_batch_size, seed=seed + i,
-                                    parent_pid=os.getpid()),
+                                    weight_version=weight_version, parent_pid=os.getpid()),
             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         fleet.urls.append(f"http://127.0.0.1:{port}")
         fleet.processes.append(proc)

@@ -20,7 +20,7 @@ from training_core.models.loading import load_model
 
 def test_health_and_model_info(server):
     assert httpx.get(server + "/health").status_code == 200
-    info = httpx.get(server + "/get_model_info").json()
+    info = httpx.get(server + "/model_info").json()
     assert info["is_generation"] is True and "weight_version" in info
 
 
@@ -125,7 +125,7 @@ def test_weight_update_changes_outputs_and_version(tiny_model_dir, tmp_path):
         after = generate(url, [30, 31, 32], max_new_tokens=12, temperature=0.0, ignore_eos=True)
         assert after["output_ids"] != before["output_ids"]
         assert after["meta_info"]["weight_version"] == "1"
-        assert httpx.get(url + "/get_weight_version").json()["weight_version"] == "1"
+        assert httpx.get(url + "/model_info").json()["weight_version"] == "1"
         bad = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(tmp_path)})
         assert bad.status_code == 400 and "safetensors" in bad.text
     finally:
@@ -189,3 +189,73 @@ def test_client_routes_over_several_servers_and_survives_one_dying(tiny_model_di
     finally:
         for f, _ in fleets:
             f.stop()
+
+
+# ---- SGLang-exact behaviour ------------------------------------------------------------------
+
+
+def test_request_errors_name_the_field_like_sglang(server):
+    def post(sp):
+        return httpx.post(server + "/generate", json={"input_ids": [5, 6], "sampling_params": sp})
+
+    unknown = post({"max_new_tokens": 2, "topk": 3})
+    assert unknown.status_code == 400 and "sampling_params.topk: unknown" in unknown.text
+    assert post({"top_k": 0}).status_code == 400 and "top_k" in post({"top_k": 0}).text
+    unsupported = post({"repetition_penalty": 1.3})
+    assert unsupported.status_code == 400 and "repetition_penalty" in unsupported.text
+    # SGLang's own defaults are accepted.
+    assert post({"max_new_tokens": 2, "repetition_penalty": 1.0, "n": 1}).status_code == 200
+    bad_type = httpx.post(server + "/generate", json={"input_ids": "abc"})
+    assert bad_type.status_code == 422 and "input_ids" in bad_type.text
+    mode = httpx.post(server + "/pause_generation", json={"mode": "drain"})
+    assert mode.status_code == 422 and "mode" in mode.text
+
+
+def test_a_prompt_longer_than_the_context_is_aborted_at_once_with_no_tokens(server):
+    out = generate(server, [5] * 600, max_new_tokens=4)  # the tiny model holds 512 positions
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "exceeds the maximum allowed length" in reason["message"]
+    assert out["output_ids"] == []
+    # A prompt that fits but leaves less than max_new_tokens is clamped, not refused.
+    near = generate(server, [5] * 508, max_new_tokens=50, ignore_eos=True)
+    assert len(near["output_ids"]) == 4 and near["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_health_fails_while_paused_and_model_info_has_the_version(server):
+    assert httpx.get(server + "/health").status_code == 200
+    assert httpx.get(server + "/model_info").json()["weight_version"] == httpx.get(
+        server + "/get_model_info").json()["weight_version"]
+    assert httpx.post(server + "/pause_generation", json={"mode": "abort"}).status_code == 200
+    try:
+        assert httpx.get(server + "/health").status_code == 503
+    finally:
+        httpx.post(server + "/continue_generation")
+    assert httpx.get(server + "/health").status_code == 200
+    assert httpx.get(server + "/get_weight_version").status_code == 404  # removed in SGLang
+
+
+def test_unpaused_weight_update_waits_for_requests_in_flight(tiny_model_dir, tmp_path):
+    """SGLang's writer lock: the update waits for the running request, which finishes whole on
+    the old weights and says so; requests after it run on the new version."""
+    from tests.training_core.conftest import start_server
+
+    fleet, url = start_server(tiny_model_dir, tmp_path / "s.log")
+    try:
+        path = _perturbed_weights(tiny_model_dir, tmp_path / "v1")
+        long = {}
+        t = threading.Thread(target=lambda: long.update(
+            generate(url, [7, 8, 9], max_new_tokens=300, ignore_eos=True)))
+        t.start()
+        _wait_generating(url, 5)
+        r = httpx.post(url + "/update_weights_from_disk",
+                       json={"model_path": str(path), "weight_version": "1"}, timeout=120).json()
+        assert r["success"]
+        t.join(60)
+        assert not t.is_alive() and long, "the update returned before the running request ended"
+        assert long["meta_info"]["finish_reason"]["type"] == "length"
+        assert len(long["output_ids"]) == 300
+        assert long["meta_info"]["weight_version"] == "0"
+        after = generate(url, [7, 8, 9], max_new_tokens=3)
+        assert after["meta_info"]["weight_version"] == "1"
+    finally:
+        fleet.stop()

@@ -41,7 +41,7 @@ def test_load_generate_one_rl_step_and_checkpoint_round_trip(smollm2_dir, tmp_pa
             "trainer.steps=1", "trainer.lr=1e-5", "eval.every=0", "checkpoint.every=1",
             "reward.fn=tests.training_core.rewards_for_tests:length_reward"])
         result = train(spec, progress=False)
-        assert httpx.get(url + "/get_weight_version").json()["weight_version"] == "1"
+        assert httpx.get(url + "/model_info").json()["weight_version"] == "1"
     finally:
         fleet.stop()
 

@@ -66,7 +66,7 @@ def test_oolong_train_under_torchrun_with_zero2(tiny_model_dir, tmp_path):
              "eval.every=0", "reward.fn=tests.training_core.rewards_for_tests:digit_reward"],
             cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-        version = httpx.get(url + "/get_weight_version").json()["weight_version"]
+        version = httpx.get(url + "/model_info").json()["weight_version"]
     finally:
         fleet.stop()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -2,10 +2,17 @@
 
 - Least-in-flight routing; a server that fails a request is skipped for a cool-down.
 - Timeouts and retries on connection errors and 5xx (another server is tried).
-- Interruptible generation: a request that comes back with finish reason ``abort`` (the trainer
-  paused the servers to push weights) is re-submitted with its partial output appended to the
-  prompt, so one sequence can span several policy versions. Every output token keeps the
-  version that produced it and its behaviour logprob.
+- Interruptible generation: a request that comes back with finish reason ``abort`` *because the
+  trainer paused the servers* (this client sent ``/pause_generation`` while it was in flight) is
+  re-submitted once generation continues, with its partial output appended to the prompt, so one
+  sequence can span several policy versions. Every output token keeps the version that produced
+  it and its behaviour logprob. Re-submission stops when the token budget is spent, and a sample
+  interrupted more than ``max_interruptions`` times fails its episode.
+- Errors of one request are errors of that episode, never retried: SGLang answers ``abort`` with
+  no tokens for a request it cannot serve (input too long, ...) and HTTP 4xx for a malformed one.
+  Both raise :class:`EpisodeError`; the executor counts the episode and the run goes on.
+  Connection errors and 5xx are the servers' trouble: retried on another server, and after the
+  retry window a :class:`RolloutServerError` fails the run.
 """
 
 from __future__ import annotations
@@ -24,7 +31,23 @@ log = logging.getLogger(__name__)
 
 
 class RolloutServerError(RuntimeError):
-    pass
+    """The rollout servers failed (unreachable, 5xx past the retry window, a failed weight load)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class EpisodeError(RuntimeError):
+    """One episode's request failed on its own account (the run goes on without it)."""
+
+
+class RequestRejected(EpisodeError):
+    """The server answered 4xx: the request is wrong, and sending it again cannot help."""
+
+
+class GenerationAborted(EpisodeError):
+    """The server aborted a request that no pause interrupted, or one was interrupted too often."""
 
 
 @dataclass
@@ -50,16 +73,17 @@ class _Partial:
         return self.finish == "abort"
 
     def response(self, request: GenerationRequest, latency: float) -> GenerationResponse:
-        finish = "length" if self.finish == "abort" else self.finish  # aborted at the budget
         return GenerationResponse(
             input_ids=list(request.input_ids), output_ids=self.ids, output_logprobs=self.logprobs,
-            output_versions=self.versions, finish_reason=finish,
+            output_versions=self.versions, finish_reason=self.finish,
             interruptions=self.interruptions, latency_s=latency)
 
 
 class RolloutClient:
     def __init__(self, urls: list[str], *, timeout_s: float = 300.0, retries: int = 3,
-                 cooldown_s: float = 2.0, retry_window_s: float = 120.0):
+                 cooldown_s: float = 2.0, retry_window_s: float = 120.0,
+                 max_interruptions: int = 16,
+                 transport: httpx.AsyncBaseTransport | None = None):
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
         self.servers = [_Server(u.rstrip("/")) for u in urls]
@@ -67,9 +91,16 @@ class RolloutClient:
         self.retries = retries
         self.cooldown_s = cooldown_s
         self.retry_window_s = retry_window_s
+        self.max_interruptions = max_interruptions
+        self._transport = transport  # tests put a recording or scripted transport here
         self._version = 0
         self._clients: dict[int, httpx.AsyncClient] = {}
         self.interruptions = 0
+        # An abort is an interruption only if this client paused the servers while the request
+        # was in flight: ``_pauses`` counts pauses, ``_paused`` is true until generation continues.
+        # Plain attributes: written by the trainer's control loop, read by the executor's loop.
+        self._pauses = 0
+        self._paused = False
 
     # ---- version ----------------------------------------------------------------------------
 
@@ -90,7 +121,7 @@ class RolloutClient:
         if client is None or client.is_closed:
             limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
             client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=10.0),
-                                       limits=limits)
+                                       limits=limits, transport=self._transport)
             self._clients[key] = client
         return client
 
@@ -102,12 +133,21 @@ class RolloutClient:
     async def _post(self, server: _Server, path: str, payload: dict | None = None) -> Any:
         resp = await self._client().post(server.url + path, json=payload or {})
         if resp.status_code >= 400:
-            raise RolloutServerError(f"{server.url}{path} -> {resp.status_code}: {resp.text[:300]}")
+            raise RolloutServerError(f"{server.url}{path} -> {resp.status_code}: {resp.text[:300]}",
+                                     status=resp.status_code)
         return resp.json() if resp.content else {}
+
+    async def _get(self, server: _Server, path: str) -> Any:
+        resp = await self._client().get(server.url + path, timeout=10.0)
+        if resp.status_code >= 400:
+            raise RolloutServerError(f"{server.url}{path} -> {resp.status_code}: {resp.text[:300]}",
+                                     status=resp.status_code)
+        return resp.json()
 
     async def _generate_once(self, payload: dict, weight: int = 1) -> dict | list:
         """POST /generate, retrying connection errors and 5xx on the least-loaded healthy server
-        until ``retry_window_s`` has passed (a restarted server comes back within it)."""
+        until ``retry_window_s`` has passed (a restarted server comes back within it). A 4xx is
+        the request's fault and is never retried."""
         deadline = time.monotonic() + self.retry_window_s
         attempt = 0
         while True:
@@ -115,18 +155,23 @@ class RolloutClient:
             server.in_flight += weight
             try:
                 return await self._post(server, "/generate", payload)
-            except (httpx.TransportError, RolloutServerError) as exc:
-                server.failures += 1
-                server.down_until = time.monotonic() + self.cooldown_s
-                attempt += 1
-                if attempt > self.retries and time.monotonic() > deadline:
-                    raise RolloutServerError(
-                        f"generation failed after {attempt} attempts over "
-                        f"{self.retry_window_s:.0f}s: {exc}") from exc
-                log.warning("generate on %s failed (attempt %d): %s", server.url, attempt, exc)
-                await asyncio.sleep(min(0.2 * 2**attempt, 2.0))
+            except RolloutServerError as exc:
+                if exc.status is not None and 400 <= exc.status < 500:
+                    raise RequestRejected(str(exc)) from None
+                error: Exception = exc
+            except httpx.TransportError as exc:
+                error = exc
             finally:
                 server.in_flight -= weight
+            server.failures += 1
+            server.down_until = time.monotonic() + self.cooldown_s
+            attempt += 1
+            if attempt > self.retries and time.monotonic() > deadline:
+                raise RolloutServerError(
+                    f"servers unreachable: generation failed after {attempt} attempts over "
+                    f"{self.retry_window_s:.0f}s: {error}") from error
+            log.warning("generate on %s failed (attempt %d): %s", server.url, attempt, error)
+            await asyncio.sleep(min(0.2 * 2**attempt, 2.0))
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -135,16 +180,32 @@ class RolloutClient:
 
     async def agenerate_group(self, request: GenerationRequest, n: int) -> list[GenerationResponse]:
         """``n`` samples of one prompt. The first round is one batched HTTP call (SGLang takes a
-        list of ``input_ids``); samples interrupted by a weight update continue one by one."""
+        list of ``input_ids``); samples interrupted by a weight update continue together once
+        generation resumes."""
         start = time.perf_counter()
+        budget = request.sampling.max_new_tokens
         states = [_Partial() for _ in range(n)]
-        await self._round(request, states)
-        while True:  # samples interrupted by a weight update resume together
-            aborted = [st for st in states if st.aborted]
-            if not aborted:
-                break
-            await self._round(request, aborted)
+        pending = states
+        while pending:
+            await self._until_unpaused()
+            await self._round(request, pending)
+            for st in pending:
+                if st.aborted and len(st.ids) >= budget:
+                    st.finish = "length"  # interrupted exactly at the budget: nothing to resume
+                elif st.aborted and st.interruptions > self.max_interruptions:
+                    raise GenerationAborted(
+                        f"a sample was interrupted {st.interruptions} times (limit "
+                        f"{self.max_interruptions}): weight updates come faster than it generates")
+            pending = [st for st in pending if st.aborted]
         return [st.response(request, time.perf_counter() - start) for st in states]
+
+    async def _until_unpaused(self) -> None:
+        # Re-submitting while the servers are paused would only queue (SGLang) or abort again:
+        # wait for continue_generation, backing off.
+        delay = 0.005
+        while self._paused:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
 
     def _payload(self, request: GenerationRequest, states: list[_Partial]) -> dict:
         # SGLang's batch form: a list of input_ids and one sampling_params per sample, so
@@ -161,21 +222,28 @@ class RolloutClient:
 
     async def _round(self, request: GenerationRequest, states: list[_Partial]) -> None:
         version_at_submit = self._version
+        pauses_at_submit = self._pauses
         result = await self._generate_once(self._payload(request, states), weight=len(states))
         results = result if isinstance(result, list) else [result]
         if len(results) != len(states):
             raise RolloutServerError(f"asked for {len(states)} samples, got {len(results)}")
+        paused_meanwhile = self._paused or self._pauses != pauses_at_submit
         for st, res in zip(states, results, strict=True):
             meta = res.get("meta_info", {})
+            finish = meta.get("finish_reason") or {}
             ids = list(res.get("output_ids", []))
             lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])]
             if len(lps) != len(ids):
                 raise RolloutServerError("server returned logprobs that do not match output_ids")
+            if finish.get("type") == "abort" and not paused_meanwhile:
+                raise GenerationAborted(
+                    f"server aborted the request with {len(ids)} tokens and no pause in progress: "
+                    f"{finish.get('message') or 'no message'}")
             version = _parse_version(meta.get("weight_version"), version_at_submit)
             st.ids += ids
             st.logprobs += lps
             st.versions += [version] * len(ids)
-            st.finish = (meta.get("finish_reason") or {}).get("type", "stop")
+            st.finish = finish.get("type", "stop")
             if st.finish == "abort":
                 st.interruptions += 1
                 self.interruptions += 1
@@ -200,10 +268,14 @@ class RolloutClient:
         return await asyncio.gather(*[self._post_retrying(s, path, payload) for s in self.servers])
 
     async def pause(self) -> None:
+        # Marked before the call: requests aborted by it must find the pause already recorded.
+        self._paused = True
+        self._pauses += 1
         await self._all("/pause_generation", {"mode": "abort"})
 
     async def resume(self) -> None:
         await self._all("/continue_generation")
+        self._paused = False
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         results = await self._all("/update_weights_from_disk",
@@ -213,22 +285,20 @@ class RolloutClient:
             raise RolloutServerError(f"weight update failed: {bad[0].get('message')}")
         self._version = version
 
-    async def wait_ready(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        for server in self.servers:
-            while True:
-                try:
-                    resp = await self._client().get(server.url + "/health", timeout=5.0)
-                    if resp.status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RolloutServerError(f"{server.url} not healthy after {timeout_s:.0f}s")
-                await asyncio.sleep(0.25)
+    async def weight_versions(self) -> list[str]:
+        """Each server's ``weight_version`` from ``GET /model_info`` (SGLang >= 0.5.2x; the older
+        ``/get_weight_version`` is gone and ``/get_model_info`` is deprecated)."""
+        infos = await asyncio.gather(*[self._get(s, "/model_info") for s in self.servers])
+        return [str(info.get("weight_version")) for info in infos]
 
-    async def server_info(self) -> list[dict]:
-        return [(await self._client().get(s.url + "/get_server_info")).json() for s in self.servers]
+    async def check_versions(self, expected: int) -> None:
+        """Fail clearly if a server does not serve the version the trainer believes it does (a
+        server launched without ``--weight-version``, or one that missed a weight update)."""
+        versions = await self.weight_versions()
+        wrong = {s.url: v for s, v in zip(self.servers, versions, strict=True) if v != str(expected)}
+        if wrong:
+            raise RolloutServerError(f"rollout servers serve weight_version {wrong}, expected "
+                                     f"{expected}; launch SGLang with --weight-version {expected}")
 
     async def aclose(self) -> None:
         client = self._clients.pop(id(asyncio.get_running_loop()), None)

@@ -1,0 +1,204 @@
+"""The rollout client against a scripted SGLang at the HTTP level (httpx transport): which aborts
+are interruptions, what is never retried, budgets and caps, and the wire contract with SGLang's
+request models. The replies have SGLang's shape (``meta_info.finish_reason`` etc.)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.training_core.sglang_contract import check_request
+from training_core.api import GenerationRequest, SamplingParams
+from training_core.engines.rollout_client import (
+    GenerationAborted,
+    RequestRejected,
+    RolloutClient,
+)
+
+URL = "http://127.0.0.2:30000"
+
+
+def reply(ids, finish="stop", version="0", message=None):
+    reason = {"type": finish}
+    if message:
+        reason.update(message=message, status_code=400)
+    return {"text": "", "output_ids": ids, "meta_info": {
+        "id": "r", "finish_reason": reason, "prompt_tokens": 3, "completion_tokens": len(ids),
+        "output_token_logprobs": [[-0.5, t, None] for t in ids], "weight_version": version}}
+
+
+class ScriptedSGLang:
+    """Answers /generate from ``script(body, n_call)``; records every request."""
+
+    def __init__(self, script):
+        self.script = script
+        self.requests: list[tuple[str, str, object]] = []
+        self.generate_calls = 0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        self.requests.append((request.method, request.url.path, body))
+        if request.url.path == "/generate":
+            self.generate_calls += 1
+            status, payload = self.script(body, self.generate_calls)
+            if asyncio.iscoroutine(payload):
+                payload = await payload
+            return httpx.Response(status, json=payload)
+        if request.url.path == "/model_info":
+            return httpx.Response(200, json={"weight_version": "0", "model_path": "m"})
+        return httpx.Response(200, json={"success": True, "message": "ok"})
+
+
+def client_for(server, **kw) -> RolloutClient:
+    return RolloutClient([URL], transport=httpx.MockTransport(server), retry_window_s=0.5,
+                         retries=1, **kw)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def request(max_new_tokens=4, ids=(1, 2, 3)):
+    return GenerationRequest(list(ids), SamplingParams(max_new_tokens=max_new_tokens))
+
+
+def test_abort_with_no_pause_is_an_episode_error_not_a_resubmit_loop():
+    # SGLang answers abort with 0 tokens for a request it cannot serve (input too long).
+    server = ScriptedSGLang(lambda body, n: (200, reply([], "abort", message="Input length (600 "
+                                                        "tokens) exceeds the maximum")))
+    client = client_for(server)
+    with pytest.raises(GenerationAborted, match="exceeds the maximum"):
+        run(client.agenerate(request()))
+    assert server.generate_calls == 1  # before the fix: re-submitted forever
+
+
+def test_http_4xx_is_never_retried():
+    server = ScriptedSGLang(lambda body, n: (400, {"error": {"message": "bad top_k"}}))
+    client = client_for(server)
+    with pytest.raises(RequestRejected, match="400"):
+        run(client.agenerate(request()))
+    assert server.generate_calls == 1
+
+
+def test_5xx_is_retried():
+    server = ScriptedSGLang(lambda body, n: (503, {}) if n == 1 else (200, reply([7, 8])))
+    client = client_for(server, cooldown_s=0.0)
+    resp = run(client.agenerate(request()))
+    assert resp.output_ids == [7, 8] and server.generate_calls == 2
+
+
+def test_abort_during_a_pause_resumes_with_the_partial_output_after_continue():
+    async def scenario():
+        paused = asyncio.Event()
+
+        async def aborted_by_the_pause():
+            await paused.wait()  # in flight until the trainer pauses the server
+            return reply([10, 11], "abort", version="0")
+
+        def script(body, n):
+            if n == 1:
+                return 200, aborted_by_the_pause()
+            return 200, reply([12, 13], "length", version="1")
+
+        server = ScriptedSGLang(script)
+        client = client_for(server)
+        task = asyncio.create_task(client.agenerate(request(max_new_tokens=4)))
+        await asyncio.sleep(0.02)
+        await client.pause()
+        paused.set()
+        await asyncio.sleep(0.05)
+        # While paused, the interrupted sample waits: no second /generate yet.
+        assert server.generate_calls == 1
+        client.set_version(1)
+        await client.resume()
+        resp = await asyncio.wait_for(task, 5)
+        second = [b for m, p, b in server.requests if p == "/generate"][1]
+        return resp, second
+
+    resp, second = run(scenario())
+    assert resp.output_ids == [10, 11, 12, 13]
+    assert resp.output_versions == [0, 0, 1, 1]
+    assert resp.interruptions == 1 and resp.finish_reason == "length"
+    # Re-submitted as prompt + partial output, with the remaining budget.
+    assert second["input_ids"] == [1, 2, 3, 10, 11]
+    assert second["sampling_params"]["max_new_tokens"] == 2
+
+
+def test_an_interruption_that_used_the_whole_budget_is_not_resubmitted():
+    async def scenario():
+        paused = asyncio.Event()
+
+        async def aborted_by_the_pause():
+            await paused.wait()
+            return reply([1, 2, 3, 4], "abort")
+
+        server = ScriptedSGLang(lambda body, n: (200, aborted_by_the_pause()))
+        client = client_for(server)
+        task = asyncio.create_task(client.agenerate(request(max_new_tokens=4)))
+        await asyncio.sleep(0.02)
+        await client.pause()
+        paused.set()
+        await asyncio.sleep(0.02)
+        await client.resume()
+        return await asyncio.wait_for(task, 5), server
+
+    resp, server = run(scenario())
+    assert resp.finish_reason == "length" and server.generate_calls == 1
+
+
+def test_a_sample_interrupted_too_often_fails_its_episode():
+    holder = {}
+
+    def script(body, n):  # every request is cut short by a weight-update pause
+        holder["client"]._pauses += 1
+        return 200, reply([5], "abort")
+
+    server = ScriptedSGLang(script)
+    client = holder["client"] = client_for(server, max_interruptions=2)
+    with pytest.raises(GenerationAborted, match="interrupted 3 times"):
+        run(client.agenerate(request(max_new_tokens=50)))
+    assert server.generate_calls == 3
+
+
+def test_every_request_the_client_sends_matches_sglangs_request_models():
+    server = ScriptedSGLang(lambda body, n: (200, [reply([1]), reply([2])]
+                                             if isinstance(body["input_ids"][0], list) else reply([3])))
+    client = client_for(server)
+
+    async def everything():
+        await client.agenerate(request())
+        await client.agenerate_group(request(), 2)
+        greedy = GenerationRequest([1, 2], SamplingParams(max_new_tokens=3, greedy=True,
+                                                          stop_token_ids=[0], top_k=5))
+        await client.agenerate(greedy)
+        await client.pause()
+        await client.update_weights_from_disk("/weights/v1", 1)
+        await client.resume()
+        await client.check_versions(0)
+
+    run(everything())
+    paths = {p for _, p, _ in server.requests}
+    assert paths == {"/generate", "/pause_generation", "/update_weights_from_disk",
+                     "/continue_generation", "/model_info"}
+    problems = [p for method, path, body in server.requests
+                for p in check_request(method, path, body)]
+    assert problems == []
+
+
+def test_the_contract_checker_catches_a_wrong_field():
+    # The fixture check is not vacuous: the old field names and removed endpoints fail it.
+    assert check_request("POST", "/update_weights_from_disk", {"path": "/w"})
+    assert check_request("POST", "/update_weights_from_disk", {"model_path": "/w", "weight_version": 1})
+    assert check_request("GET", "/get_weight_version", None)
+    assert check_request("POST", "/pause_generation", {"mode": "drain"})
+    assert check_request("POST", "/generate", {"input_ids": [1], "sampling_params": {"topk": 1}})
+
+
+def test_check_versions_names_the_server_and_the_launch_flag():
+    server = ScriptedSGLang(lambda body, n: (200, reply([1])))
+    client = client_for(server)
+    with pytest.raises(Exception, match="--weight-version 3"):
+        run(client.check_versions(3))
