@@ -49,7 +49,7 @@ class GenerationResponse:
     output_ids: list[int]
     output_logprobs: list[float]
     output_versions: list[int]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" (an interrupted sample whose budget ran out: "length")
     interruptions: int = 0
     latency_s: float = 0.0
 
@@ -65,6 +65,10 @@ class Trajectory:
     reward: float
     truncated: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    # Set at consume time when the sample is too stale for the loss. ``loss_mask`` stays as
+    # generated: the sample keeps its length, its reward in the group baseline and its tokens in
+    # the staleness metrics; only the trainer's loss skips it.
+    dropped: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)

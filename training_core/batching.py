@@ -28,7 +28,10 @@ def build_train_batch(groups: list[TrajectoryGroup], *, pad_id: int, algo: Algor
     def pad(rows, value):
         return [list(r) + [value] * (width - len(r)) for r in rows]
 
-    loss_mask = torch.tensor(pad([s.loss_mask for s in samples], 0), dtype=torch.float32)
+    # Samples dropped at consume time (too stale) leave the loss only: their lengths and rewards
+    # above still shape their group's advantages exactly as if they had been kept.
+    keep = torch.tensor([[0.0 if s.dropped else 1.0] for s in samples])
+    loss_mask = torch.tensor(pad([s.loss_mask for s in samples], 0), dtype=torch.float32) * keep
     lengths_t = torch.tensor([len(s.input_ids) for s in samples])
     attention = (torch.arange(width).unsqueeze(0) < lengths_t.unsqueeze(1)).long()
     return TrainBatch(

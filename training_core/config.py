@@ -57,6 +57,13 @@ class DataSpec(_Section):
     eval_size: int = Field(128, ge=0)
 
     @model_validator(mode="after")
+    def _template_known(self) -> DataSpec:
+        from training_core.data.templates import prompt_template_text  # plain strings
+
+        prompt_template_text(self.prompt_template)  # raises naming the choices
+        return self
+
+    @model_validator(mode="after")
     def _kind_known(self) -> DataSpec:
         kind = self.source.split(":", 1)[0]
         if kind not in DATA_KINDS:
@@ -77,25 +84,45 @@ class RolloutSpec(_Section):
     server_urls: list[str] = Field(default_factory=list)
     max_concurrent: int = Field(64, ge=1, description="M: max episodes in flight")
     max_staleness: int = Field(1, ge=0, description="eta: 0 means synchronous RL")
-    # Strict per-token bound at consume time: drop a sample whose oldest output token is older
-    # than v - max_token_staleness. None disables it.
-    max_token_staleness: int | None = Field(None, ge=0)
+    # Strict per-token bound at consume time: a sample whose oldest output token is older than
+    # v - max_token_staleness leaves the loss. The admission bound (max_staleness) holds only
+    # when episodes finish in order; this one always holds. None: equal to max_staleness.
+    max_token_staleness: int | None = Field(
+        None, ge=0, description="strict per-token staleness bound; default: max_staleness")
     group_size: int = Field(8, ge=1)
     max_new_tokens: int = Field(32, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, description="-1 disables it; otherwise at least 1 (SGLang)")
     request_timeout_s: float = Field(300.0, gt=0)
+    max_interruptions: int = Field(
+        16, ge=1, description="weight updates one sample may span before its episode fails")
+    batch_timeout_s: float = Field(
+        600.0, gt=0, description="fail the run if no training batch is ready for this long")
     workflow: str = Field("rlvr", description="rlvr | multi_turn | module:Class")
     max_turns: int = Field(2, ge=1)
     turn_discount: float = Field(0.9, gt=0, le=1)
     server_threads: int = Field(1, ge=1, description="torch threads per embedded server")
     max_batch_size: int = Field(256, ge=1, description="embedded server decode batch")
 
+    @model_validator(mode="after")
+    def _top_k_like_sglang(self) -> RolloutSpec:
+        if self.top_k == 0:
+            raise ValueError("top_k 0 is refused by SGLang: use -1 to disable top-k, or >= 1")
+        return self
+
+    @property
+    def token_staleness_bound(self) -> int:
+        return self.max_staleness if self.max_token_staleness is None else self.max_token_staleness
+
 
 class RewardSpec(_Section):
     # builtin:<name> (arithmetic, math, gsm8k, exact, numeric, reasoning_gym) or module:function
     fn: str = "builtin:arithmetic"
+    # How a built-in reward finds the answer in a completion before scoring it: auto (the task
+    # family's chain), none, answer_tag (<answer>..</answer>), boxed, gsm8k (#### N), last_number.
+    # See training_core/rewards/builtin.py. Function rewards get the raw completion.
+    extract: Literal["auto", "none", "answer_tag", "boxed", "gsm8k", "last_number"] = "auto"
     # process: a local pool; inline: in the event loop (cheap rewards); remote: a backend class
     # by import path, e.g. the Celery worker pool (code execution, model judges).
     executor: Literal["process", "inline", "remote"] = "process"
@@ -114,7 +141,8 @@ class AlgorithmSpec(_Section):
     behav_weight_mode: Literal["mask", "clip"] | None = None
     kl_coef: float | None = None
     dynamic_filter: bool | None = None
-    overlong_buffer: int | None = None
+    # DAPO's soft overlong window, as a fraction of rollout.max_new_tokens (0.2: the last 20%).
+    overlong_buffer: float | None = Field(None, ge=0, lt=1)
     overlong_penalty: float | None = None
 
 
@@ -178,6 +206,13 @@ class RunSpec(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunSpec:
+        from training_core.algorithms.presets import PRESETS  # dataclasses only, no torch
+
+        baseline = PRESETS[self.algorithm.preset].baseline
+        if self.rollout.group_size < 2 and baseline in ("group_mean", "leave_one_out"):
+            raise ValueError(
+                f"rollout.group_size 1 gives algorithm.preset {self.algorithm.preset!r} no group "
+                "baseline (every advantage is 0): use group_size >= 2, or preset ppo_kl")
         if self.weight_sync == "nccl":
             # /init_weights_update_group + /update_weights_from_distributed are not wired into the
             # trainer yet: refuse instead of silently falling back to disk.
@@ -238,7 +273,11 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise SpecError({item: "override must look like section.key=value"})
         key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:  # e.g. a leading '@' or '%': the user meant the literal text
+            value = raw
+        _set_dotted(tree, key.strip(), value)
     return tree
 
 

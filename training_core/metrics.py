@@ -37,8 +37,23 @@ class JsonlSink:
 
 
 def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
-    """On resume, forget steps after the checkpoint: they are redone, so each step appears once."""
-    path = Path(run_dir) / "metrics.jsonl"
+    """On resume, forget steps after the checkpoint: they are redone, so each step appears once.
+    Applies to the metrics and to the batch log (``batches.jsonl``); returns the metric lines
+    dropped."""
+    _truncate_steps(Path(run_dir) / BATCH_LOG, last_step)
+    return _truncate_steps(Path(run_dir) / "metrics.jsonl", last_step)
+
+
+# One line per step: which prompts (stream indices, see PromptLoader) the step trained on.
+BATCH_LOG = "batches.jsonl"
+
+
+def read_batch_log(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / BATCH_LOG
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _truncate_steps(path: Path, last_step: int) -> int:
     if not path.exists():
         return 0
     kept, dropped = [], 0

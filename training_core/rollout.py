@@ -7,9 +7,21 @@ generation never waits for training. Finished groups queue oldest-first.
 Consume-time filters:
 - DAPO dynamic filtering: a group whose rewards are all equal is rejected when it finishes
   (it frees its slot, another prompt takes its place).
-- Strict per-token staleness (optional): a sample whose oldest output token is older than
-  ``v - max_token_staleness`` is dropped from the loss when the batch is taken (its reward still
-  counts in its group's baseline).
+- Strict per-token staleness: a sample whose oldest output token is older than
+  ``v - max_token_staleness`` is flagged ``dropped`` when the batch is taken: it leaves the loss,
+  but keeps its length and reward (its group's baseline and DAPO's overlong penalty do not
+  change) and its tokens still count in the staleness metrics.
+
+Failures:
+- An :class:`~training_core.engines.rollout_client.EpisodeError` (the server rejected or aborted
+  that one request) is logged and counted; the episode's slot goes to another prompt and the run
+  goes on. Any other exception in an episode (a workflow bug, servers unreachable) fails the run.
+- ``prepare_batch`` gives up after ``timeout_s`` with a reason: every group rejected by the
+  dynamic filter, every episode failing, or nothing finishing at all.
+
+Exact resume: the executor knows which prompts were handed out and are neither consumed nor
+rejected (in flight or buffered). :meth:`resume_state` returns them with the loader position,
+atomically; a resumed run hands them out again first, so no prompt is skipped.
 """
 
 from __future__ import annotations
@@ -19,17 +31,26 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from training_core.algorithms.advantages import is_degenerate_group
-from training_core.api import TrajectoryGroup
+from training_core.api import TrajectoryGroup, Workflow
 from training_core.data.datasets import PromptLoader
-from training_core.engines.rollout_client import RolloutClient
+from training_core.engines.rollout_client import EpisodeError, RolloutClient
 from training_core.staleness import StalenessManager
 
 log = logging.getLogger(__name__)
+
+
+class BatchTimeout(TimeoutError):
+    """No batch could be assembled in time; the message says why."""
+
+
+@dataclass
+class EpisodeFailure:
+    prompt_index: int
+    message: str
 
 
 @dataclass
@@ -39,10 +60,11 @@ class Batch:
     wait_s: float
     queue_depth: int
     rejected_groups: int
+    episode_failures: list[EpisodeFailure] = field(default_factory=list)
 
 
 class RolloutExecutor:
-    def __init__(self, client: RolloutClient, workflow: Any, loader: PromptLoader,
+    def __init__(self, client: RolloutClient, workflow: Workflow, loader: PromptLoader,
                  staleness: StalenessManager, *, dynamic_filter: bool = False,
                  max_token_staleness: int | None = None):
         self.client = client
@@ -55,11 +77,12 @@ class RolloutExecutor:
         self._cond = threading.Condition()
         self._errors: list[BaseException] = []
         self._rejected_since_batch = 0
+        self._failures_since_batch: list[EpisodeFailure] = []
+        self._outstanding: set[int] = set()  # handed out, neither consumed nor rejected
         self._loop = asyncio.new_event_loop()
         self._wake: asyncio.Event | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run_loop, name="rollout", daemon=True)
-        self.on_group: Callable[[TrajectoryGroup], None] | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -75,6 +98,12 @@ class RolloutExecutor:
     def run_coro(self, coro: Any, timeout: float | None = None) -> Any:
         """Run a coroutine (pause, weight update, ...) on the executor's loop from the trainer."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def resume_state(self) -> dict[str, Any]:
+        """What a checkpoint needs to resume the prompt stream exactly (see the module doc)."""
+        with self._cond:
+            return {"loader_position": self.loader.position,
+                    "pending_prompts": sorted(self._outstanding)}
 
     # ---- the loop thread --------------------------------------------------------------------
 
@@ -92,7 +121,9 @@ class RolloutExecutor:
         tasks: set[asyncio.Task] = set()
         while not self._stopping:
             while self.staleness.capacity(self.client.version) > 0 and not self._stopping:
-                index, item = self.loader.next()
+                with self._cond:
+                    index, item = self.loader.next()
+                    self._outstanding.add(index)
                 self.staleness.on_submitted()
                 task = asyncio.create_task(self._episode(index, item))
                 tasks.add(task)
@@ -111,7 +142,15 @@ class RolloutExecutor:
             group = await self.workflow.arun_episode(self.client, item)
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # an episode bug must surface in the trainer, not vanish
+        except EpisodeError as exc:  # this request's own failure: count it, go on
+            log.warning("episode for prompt %d failed: %s", index, exc)
+            self.staleness.on_rejected()
+            with self._cond:
+                self._outstanding.discard(index)
+                self._failures_since_batch.append(EpisodeFailure(index, str(exc)))
+                self._cond.notify_all()
+            return
+        except BaseException as exc:  # a bug or dead servers must surface in the trainer
             log.exception("episode failed")
             self.staleness.on_rejected()
             with self._cond:
@@ -124,13 +163,13 @@ class RolloutExecutor:
         if group is None or (self.dynamic_filter and is_degenerate_group(group.rewards)):
             self.staleness.on_rejected()
             with self._cond:
+                self._outstanding.discard(index)
                 self._rejected_since_batch += 1
+                self._cond.notify_all()
             return
         group.prompt_index = index
         group.accepted_at = time.perf_counter()
         self.staleness.on_accepted()
-        if self.on_group is not None:
-            self.on_group(group)
         with self._cond:
             self._done.append(group)
             self._cond.notify_all()
@@ -143,21 +182,39 @@ class RolloutExecutor:
         with self._cond:
             while len(self._done) < batch_groups:
                 if self._errors:
-                    raise RuntimeError("an episode failed") from self._errors[0]
-                remaining = None if timeout_s is None else timeout_s - (time.perf_counter() - start)
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"no batch of {batch_groups} groups after {timeout_s}s")
-                self._cond.wait(timeout=remaining if remaining is not None else 1.0)
+                    exc = self._errors[0]
+                    raise RuntimeError(f"an episode failed: {type(exc).__name__}: {exc}") from exc
+                waited = time.perf_counter() - start
+                if timeout_s is not None and waited >= timeout_s:
+                    raise BatchTimeout(f"no batch for {timeout_s:.0f} s: {self._stall_reason()}")
+                remaining = 1.0 if timeout_s is None else min(1.0, timeout_s - waited)
+                self._cond.wait(timeout=remaining)
             groups = [self._done.popleft() for _ in range(batch_groups)]
+            for g in groups:
+                self._outstanding.discard(g.prompt_index)
             depth = len(self._done)
             rejected, self._rejected_since_batch = self._rejected_since_batch, 0
+            failures, self._failures_since_batch = self._failures_since_batch, []
         dropped = 0
         if self.max_token_staleness is not None:
             oldest_allowed = version - self.max_token_staleness
             for g in groups:
                 for s in g.samples:
                     if s.num_output_tokens and s.oldest_version < oldest_allowed:
-                        s.loss_mask = [0] * len(s.loss_mask)
-                        s.info["dropped_stale"] = True
+                        s.dropped = True
                         dropped += 1
-        return Batch(groups, dropped, time.perf_counter() - start, depth, rejected)
+        return Batch(groups, dropped, time.perf_counter() - start, depth, rejected, failures)
+
+    def _stall_reason(self) -> str:
+        done, rejected, failures = len(self._done), self._rejected_since_batch, self._failures_since_batch
+        if failures and not rejected:
+            return (f"every episode failed ({len(failures)} since the last batch); last: "
+                    f"{failures[-1].message}")
+        if rejected and not failures:
+            return (f"every group rejected by the dynamic filter ({rejected} groups whose samples "
+                    "all got the same reward); make the task easier or larger groups, or turn "
+                    "algorithm.dynamic_filter off")
+        if rejected or failures:
+            return f"{rejected} groups rejected by the dynamic filter, {len(failures)} episodes failed"
+        return (f"servers unreachable or too slow: {done} groups finished, "
+                f"{self.staleness.stats().running} episodes still running")

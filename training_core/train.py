@@ -14,6 +14,7 @@ and checkpointing, evaluation and logging after the resume.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import shutil
@@ -44,7 +45,7 @@ from training_core.data.datasets import PromptLoader, load_data
 from training_core.engines.deepspeed_trainer import DeepSpeedTrainer, TrainBatch, rank_and_world
 from training_core.engines.rollout_client import RolloutClient
 from training_core.launch import Fleet, start_embedded_fleet
-from training_core.metrics import JsonlSink, MultiSink, truncate_metrics
+from training_core.metrics import BATCH_LOG, JsonlSink, MultiSink, truncate_metrics
 from training_core.models.loading import load_tokenizer, run_model_dir
 from training_core.rewards.pool import RewardPool
 from training_core.rollout import RolloutExecutor
@@ -52,6 +53,9 @@ from training_core.staleness import StalenessManager
 from training_core.workflows.base import WorkflowContext, load_workflow
 
 log = logging.getLogger("oolong.train")
+
+# Episode failures beyond this many per step are counted in rollout/episode_errors, not evented.
+MAX_FAILURE_EVENTS = 5
 
 
 @dataclass
@@ -138,7 +142,7 @@ def batch_metrics(groups, version: int, algo: AlgorithmConfig) -> dict[str, floa
     }
 
 
-def sample_records(groups, tokenizer, n: int) -> list[dict[str, Any]]:
+def sample_records(groups, tokenizer, n: int, extract: str = "auto") -> list[dict[str, Any]]:
     """A few samples per step for the trajectory viewer: text per token and its version."""
     out = []
     for i, s in enumerate(s for g in groups[:n] for s in g.samples[:1]):
@@ -146,6 +150,8 @@ def sample_records(groups, tokenizer, n: int) -> list[dict[str, Any]]:
         prompt_ids = [t for t, m in zip(s.input_ids, s.loss_mask, strict=True) if not m]
         out.append({"index": i, "prompt": tokenizer.decode(prompt_ids, skip_special_tokens=True),
                     "completion": s.info.get("completion", ""), "reward": s.reward,
+                    "info": {"extracted": s.info.get("extracted"), "extract": extract,
+                             "dropped_stale": s.dropped},
                     "tokens": [tokenizer.decode([t]) for t, _ in gen],
                     "token_versions": [v for _, v in gen]})
     return out
@@ -193,37 +199,48 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
     if rank != 0:  # data-parallel ranks train on their shard; rank 0 owns everything else
         return follow_rank0(spec, trainer, algo, run_dir, resume=bool(resume_dir))
 
+    # ---- resume: weights, optimizer, RNG, version, step; the prompt stream below -----------------
+    version, first_step, state = 0, 1, None
+    found = latest_checkpoint(run_dir) if resume_dir else None
+    if found:
+        state = trainer.load_checkpoint(checkpoint_dir(run_dir), found[1])
+        version, first_step = state["version"], state["step"] + 1
+
     fleet: Fleet | None = None
     if spec.rollout.server_urls:
         urls = list(spec.rollout.server_urls)
     else:
+        # A resumed run samples with a fresh seed: replaying the first run's random stream would
+        # repeat its samples.
         fleet = start_embedded_fleet(str(model_dir), spec.rollout.num_servers, run_dir / "logs",
                                      threads=spec.rollout.server_threads,
-                                     max_batch_size=spec.rollout.max_batch_size, seed=spec.seed)
+                                     max_batch_size=spec.rollout.max_batch_size,
+                                     seed=server_seed(spec.seed, version), weight_version=0)
         urls = fleet.urls
-    client = RolloutClient(urls, timeout_s=spec.rollout.request_timeout_s)
+    client = RolloutClient(urls, timeout_s=spec.rollout.request_timeout_s,
+                           max_interruptions=spec.rollout.max_interruptions)
     staleness = StalenessManager(batch_groups=B, max_staleness=spec.rollout.max_staleness,
                                  max_concurrent=spec.rollout.max_concurrent)
     loader = PromptLoader(data.train, spec.seed)
     sink = sink or make_sinks(spec, run_dir)
     weights_root = run_dir / "weights"
 
-    # ---- resume: version, step, data position, RNG, staleness counters -------------------------
-    version, first_step = 0, 1
-    found = latest_checkpoint(run_dir) if resume_dir else None
-    if found:
-        state = trainer.load_checkpoint(checkpoint_dir(run_dir), found[1])
-        version, first_step = state["version"], state["step"] + 1
-        loader.position = state["loader_position"]
+    if state is not None:
+        # Prompts in flight or buffered at the checkpoint were never trained on: hand them out
+        # again first (checkpoints from before this existed carry only the position).
+        loader.restore(state["loader_position"], state.get("pending_prompts"))
         staleness.recover(version)
         dropped = truncate_metrics(run_dir, state["step"])
         path = trainer.save_weights(weights_root / f"v{version}")
         asyncio.run(_push_weights(client, path, version, close=True))
         sink.event("resumed", f"resumed from {found[1]} at version {version}",
-                   step=state["step"], discarded_metric_lines=dropped)
-    elif resume_dir:
-        truncate_metrics(run_dir, 0)
-        sink.event("resumed", "no complete checkpoint; starting from step 1")
+                   step=state["step"], discarded_metric_lines=dropped,
+                   requeued_prompts=len(state.get("pending_prompts", [])))
+    else:
+        asyncio.run(_check_versions(client, 0))
+        if resume_dir:
+            truncate_metrics(run_dir, 0)
+            sink.event("resumed", "no complete checkpoint; starting from step 1")
     client.set_version(version)
     # Control calls (pause, weight load, resume) get their own event loop in this thread: the
     # executor's loop is busy with hundreds of in-flight requests and would delay them.
@@ -234,7 +251,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
                               top_k=spec.rollout.top_k)
     rewards = RewardPool(spec.reward.fn, workers=spec.reward.workers,
                          timeout_s=spec.reward.timeout_s, executor=spec.reward.executor,
-                         remote_backend=spec.reward.remote_backend)
+                         remote_backend=spec.reward.remote_backend, extract=spec.reward.extract)
     ctx = WorkflowContext(tokenizer=tokenizer, rewards=rewards, sampling=sampling,
                           group_size=spec.rollout.group_size,
                           prompt_template=spec.data.prompt_template,
@@ -242,7 +259,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
                           turn_discount=spec.rollout.turn_discount)
     executor = RolloutExecutor(client, load_workflow(spec.rollout.workflow, ctx), loader, staleness,
                                dynamic_filter=algo.dynamic_filter,
-                               max_token_staleness=spec.rollout.max_token_staleness)
+                               max_token_staleness=spec.rollout.token_staleness_bound)
     eval_rows = data.eval[: spec.eval.size]
     timers = Timers()
     first_eval = last_eval = None
@@ -250,6 +267,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
     report = getattr(sink, "status", None) if spec.metrics.report_status else None
     if report:
         report("running")
+    batch_log = (run_dir / BATCH_LOG).open("a", buffering=1)
     executor.start()
     bar = tqdm(total=spec.trainer.steps, initial=first_step - 1, disable=not progress,
                desc=spec.name, unit="step", dynamic_ncols=True)
@@ -264,8 +282,13 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
 
             # 1. Take the oldest B finished groups (blocks only if generation is behind).
             with timers("wait_rollout"):
-                batch = executor.prepare_batch(B, version)
+                batch = executor.prepare_batch(B, version, timeout_s=spec.rollout.batch_timeout_s)
             metrics = batch_metrics(batch.groups, version, algo)
+            batch_log.write(json.dumps({"step": step, "version": version,
+                                        "prompts": [g.prompt_index for g in batch.groups]}) + "\n")
+            for failure in batch.episode_failures[:MAX_FAILURE_EVENTS]:
+                sink.event("episode_failed", failure.message, step=step,
+                           prompt_index=failure.prompt_index)
 
             # 2. Tensors and advantages (group-normalised outcome rewards, per preset).
             with timers("prepare"):
@@ -298,7 +321,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
             if spec.checkpoint.every and step % spec.checkpoint.every == 0:
                 with timers("checkpoint"):
                     saved = trainer.save_checkpoint(checkpoint_dir(run_dir), f"step{step}", {
-                        "version": version, "step": step, "loader_position": loader.position})
+                        "version": version, "step": step, **executor.resume_state()})
                     prune_checkpoints(run_dir, spec.checkpoint.keep)
                 if hasattr(sink, "checkpoint"):
                     sink.checkpoint(step, version, str(saved.resolve()))
@@ -324,6 +347,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
                 "rollout/queue_depth": batch.queue_depth,
                 "rollout/rejected_groups": batch.rejected_groups,
                 "rollout/dropped_stale_samples": batch.dropped_stale_samples,
+                "rollout/episode_errors": len(batch.episode_failures),
                 "rollout/running": staleness.stats().running,
                 "version": version,
                 "time/step_s": step_time,
@@ -333,7 +357,8 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
             })
             sink.log(step, metrics)
             if hasattr(sink, "trajectories"):
-                sink.trajectories(step, sample_records(batch.groups, tokenizer, n=4))
+                sink.trajectories(step, sample_records(batch.groups, tokenizer, n=4,
+                                                       extract=spec.reward.extract))
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", v=version,
                             stale=f"{metrics['staleness/mean']:.2f}",
@@ -350,6 +375,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
         raise
     finally:
         bar.close()
+        batch_log.close()
         control.run_until_complete(client.aclose())
         control.close()
         executor.stop()
@@ -368,6 +394,19 @@ async def _push_weights(client: RolloutClient, path: Path, version: int, close: 
         await client.resume()
         if close:
             await client.aclose()
+
+
+async def _check_versions(client: RolloutClient, version: int) -> None:
+    try:
+        await client.check_versions(version)
+    finally:
+        await client.aclose()
+
+
+def server_seed(seed: int, version: int) -> int:
+    """The embedded servers' sampling seed: the run's seed at the start, a different one for
+    each version a run resumes at (deterministic, so a resumed run is reproducible)."""
+    return seed if version == 0 else (seed * 1_000_003 + version * 7_919) % 2**31
 
 
 def _prune_weights(run_dir: Path, keep_version: int) -> None:
@@ -419,5 +458,6 @@ def follow_rank0(spec: RunSpec, trainer: DeepSpeedTrainer, algo: AlgorithmConfig
         version += 1
         if spec.checkpoint.every and step % spec.checkpoint.every == 0:
             trainer.save_checkpoint(checkpoint_dir(run_dir), f"step{step}",
-                                    {"version": version, "step": step, "loader_position": 0})
+                                    {"version": version, "step": step, "loader_position": 0,
+                                     "pending_prompts": []})
     return RunResult(run_dir, version, step, None, None, time.perf_counter() - start)

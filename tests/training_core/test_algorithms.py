@@ -42,8 +42,11 @@ def test_batch_mean_baseline_for_ppo_kl():
 
 
 def test_overlong_penalty_ramp():
-    cfg = AlgorithmConfig(overlong_buffer=4, overlong_penalty=1.0)
+    cfg = AlgorithmConfig(overlong_buffer=0.4, overlong_penalty=1.0)  # 4 of 10 tokens
     pen = overlong_penalty(torch.tensor([6, 8, 10]), 10, cfg)
+    assert torch.allclose(pen, torch.tensor([0.0, -0.5, -1.0]))
+    # The window scales with the budget: the same fraction of 100 tokens is 40 tokens.
+    pen = overlong_penalty(torch.tensor([60, 80, 100]), 100, cfg)
     assert torch.allclose(pen, torch.tensor([0.0, -0.5, -1.0]))
     assert overlong_penalty(torch.tensor([10]), 10, PRESETS["grpo"]).item() == 0.0
 
@@ -77,7 +80,9 @@ def test_decoupled_loss_masks_large_behaviour_weights():
     cfg = AlgorithmConfig(behav_weight_mode="mask")
     loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, cfg=cfg, num_tokens=3)
     assert loss.item() == pytest.approx((-2.4 + 0.8) / 3, abs=1e-5)
-    assert stats.clipped == 2 and stats.behav_masked == 1 and stats.tokens == 2
+    # Token counts are taken before the cap masks token 3: clip and masked fractions share
+    # one denominator, the generated tokens.
+    assert stats.clipped == 2 and stats.behav_masked == 1 and stats.tokens == 3
     loss.backward()
     # tokens 1 and 2 are clipped (no gradient), token 3 is masked
     assert torch.allclose(logp.grad, torch.zeros(1, 3))
@@ -108,13 +113,34 @@ def test_token_mean_uses_the_global_token_count():
     assert half.item() == pytest.approx(full.item() / 2)
 
 
-def test_kl_term_k3_estimator():
-    logp = torch.tensor([[math.log(0.5)]])
+def test_kl_penalty_is_k2_in_the_loss_and_k3_in_the_metric():
+    logp = torch.tensor([[math.log(0.5)]], requires_grad=True)
     ref = torch.tensor([[math.log(0.25)]])
     zero = torch.zeros(1, 1)
-    cfg = AlgorithmConfig(decoupled=False, kl_coef=1.0)
-    loss, stats = decoupled_ppo_loss(logp, logp.clone(), logp.clone(), zero, torch.ones(1, 1),
-                                     cfg=cfg, num_tokens=1, ref_logp=ref)
-    # k3 = exp(ref - logp) - (ref - logp) - 1 = 0.5 + ln 2 - 1
-    assert loss.item() == pytest.approx(0.5 + math.log(2) - 1, abs=1e-6)
+    cfg = AlgorithmConfig(decoupled=False, kl_coef=2.0)
+    loss, stats = decoupled_ppo_loss(logp, logp.detach().clone(), logp.detach().clone(), zero,
+                                     torch.ones(1, 1), cfg=cfg, num_tokens=1, ref_logp=ref)
+    # k2 = (logp - ref)^2 / 2 = (ln 2)^2 / 2, times kl_coef
+    assert loss.item() == pytest.approx(2.0 * math.log(2) ** 2 / 2, abs=1e-6)
+    # Its gradient is kl_coef * (logp - ref): the on-policy gradient of KL(pi || ref).
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(2.0 * math.log(2), abs=1e-6)
+    # The reported KL is k3 = exp(ref - logp) - (ref - logp) - 1 = 0.5 + ln 2 - 1
     assert stats.kl_sum == pytest.approx(0.5 + math.log(2) - 1, abs=1e-6)
+
+
+def test_masked_positions_cannot_make_nan():
+    # A prompt/pad position (mask 0) with a huge logit gap: exp(gap) is inf, times 0 is NaN
+    # unless the gap is masked before exp.
+    logp = torch.tensor([[0.0, -0.1]], requires_grad=True)
+    prox = torch.tensor([[-200.0, -0.1]])
+    behav = torch.tensor([[-900.0, -0.1]])
+    adv = torch.tensor([[1.0, 1.0]])
+    mask = torch.tensor([[0.0, 1.0]])
+    for cfg in (AlgorithmConfig(), AlgorithmConfig(kl_coef=0.1)):
+        loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, cfg=cfg, num_tokens=1,
+                                         ref_logp=torch.tensor([[-300.0, -0.1]]))
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+        assert stats.tokens == 1 and math.isfinite(stats.kl_sum)
+        logp.grad = None

@@ -55,3 +55,25 @@ def test_resolved_spec_round_trips(tmp_path):
 def test_nccl_weight_sync_is_refused_not_silently_replaced():
     with pytest.raises(SpecError, match="not implemented yet"):
         load_spec(None, ["weight_sync=nccl", "rollout.backend=sglang"])
+
+
+def test_config_checks_from_the_engine_review():
+    from training_core.config import SpecError, load_spec
+
+    with pytest.raises(SpecError, match="group_size 1 gives algorithm.preset 'grpo' no group baseline"):
+        load_spec(None, ["rollout.group_size=1"])
+    load_spec(None, ["rollout.group_size=1", "algorithm.preset=ppo_kl"])  # batch baseline: fine
+    with pytest.raises(SpecError, match="top_k 0 is refused by SGLang"):
+        load_spec(None, ["rollout.top_k=0"])
+    with pytest.raises(SpecError, match="algorithm.overlong_buffer"):
+        load_spec(None, ["algorithm.overlong_buffer=4"])  # a fraction of max_new_tokens now
+    with pytest.raises(SpecError, match="named template: reasoning_gym, math, gsm8k"):
+        load_spec(None, ["data.prompt_template=nope"])
+    assert load_spec(None, ["data.prompt_template=gsm8k"]).data.prompt_template == "gsm8k"
+    # A value YAML cannot parse is taken as the literal string, not a traceback.
+    assert load_spec(None, ["name=@night"]).name == "@night"
+    with pytest.raises(SpecError, match="reward.extract"):
+        load_spec(None, ["reward.extract=xml"])
+    spec = load_spec(None, ["rollout.max_staleness=3"])
+    assert spec.rollout.max_token_staleness is None and spec.rollout.token_staleness_bound == 3
+    assert load_spec(None, ["rollout.max_token_staleness=5"]).rollout.token_staleness_bound == 5

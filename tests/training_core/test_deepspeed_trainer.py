@@ -97,3 +97,32 @@ def test_zero_stages_give_the_same_update_on_cpu(tiny_model_dir, tmp_path):
         g, d, w = results[stage]
         assert g == pytest.approx(g0, rel=1e-4)
         assert torch.allclose(d, d0, atol=1e-4) and torch.allclose(w, w0, atol=1e-6)
+
+
+def test_dropout_is_off_so_the_first_ratio_is_exactly_one(tiny_model_dir, tmp_path):
+    """Proximal logprobs run in eval mode, the update in train mode: with a model whose config
+    asks for dropout, the PPO ratio must still be exactly 1 before the first optimizer step."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    model_dir = tmp_path / "dropout-model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    config.attention_dropout = 0.5
+    config.save_pretrained(model_dir)
+    trainer = DeepSpeedTrainer(model_dir, lr=1e-3, weight_decay=0.0, grad_clip=10.0,
+                               zero_stage=0, micro_batch_tokens=1000)
+    b = _batch()
+    prox = trainer.logprobs(b)
+    seen = []
+
+    def recording_loss(logp, prox_logp, *args, **kwargs):
+        if not seen:  # the first micro-batch, before any optimizer step
+            seen.append(((logp - prox_logp) * args[2]).detach().abs().max().item())
+        return decoupled_ppo_loss(logp, prox_logp, *args, cfg=PRESETS["grpo"], **kwargs)
+
+    trainer.train_step(b, prox, recording_loss)
+    assert seen == [0.0]
+    module = trainer.engine.module
+    assert all(getattr(m, "attention_dropout", 0.0) == 0.0 for m in module.modules())

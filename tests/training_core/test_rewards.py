@@ -4,42 +4,82 @@ import time
 import pytest
 
 from training_core.rewards.builtin import (
-    exact_match,
-    extract_final_answer,
-    gsm8k_answer,
-    math_answer,
-    numeric_match,
+    BuiltinReward,
+    extract_answer_tag,
+    extract_boxed,
+    extract_gsm8k,
+    extract_last_number,
     reasoning_gym_answer,
 )
 from training_core.rewards.pool import RewardPool
 from training_core.rewards.registry import resolve_reward
 
 
-def test_extract_final_answer_prefers_gsm8k_then_boxed_then_last_number():
-    assert extract_final_answer("so 3 + 4 = 7\n#### 1,234") == "1,234"
-    assert extract_final_answer(r"the answer is \boxed{\frac{1}{2}} or 3") == r"\frac{1}{2}"
-    assert extract_final_answer("first 3 then 42.") == "42"
-    assert extract_final_answer("no digits") is None
+def test_extractors():
+    assert extract_gsm8k("so 3 + 4 = 7\n#### 1,234") == "1,234"
+    assert extract_boxed(r"the answer is \boxed{\frac{1}{2}} or 3") == r"\frac{1}{2}"
+    assert extract_last_number("first 3 then 42.") == "42"
+    assert extract_last_number("no digits") is None
+    assert extract_answer_tag("<answer>1</answer> then <answer> 7 </answer>") == "7"
+    assert extract_answer_tag("no tags") is None
 
 
-def test_numeric_and_exact():
-    assert numeric_match("it is 1,234", {"answer": "1234"}) == 1.0
-    assert numeric_match("it is 1235", {"answer": "1234"}) == 0.0
-    assert exact_match(" 12 ", {"answer": "12"}) == 1.0
-    assert gsm8k_answer("Natalia sold 48/2 = 24 clips.\n#### 72", {"answer": "72"}) == 1.0
+def test_builtin_scores_after_extraction():
+    assert BuiltinReward("numeric")("it is 1,234", {"answer": "1234"}) == 1.0
+    assert BuiltinReward("numeric")("it is 1235", {"answer": "1234"}) == 0.0
+    assert BuiltinReward("exact")(" 12 ", {"answer": "12"}) == 1.0
+    assert BuiltinReward("gsm8k")("Natalia sold 48/2 = 24 clips.\n#### 72", {"answer": "72"}) == 1.0
+    assert BuiltinReward("math")(r"Thus $\boxed{\frac{1}{2}}$", {"answer": "0.5"}) == 1.0
+    assert BuiltinReward("math")(r"Thus $\boxed{\frac{1}{3}}$", {"answer": "0.5"}) == 0.0
 
 
-def test_math_verify_handles_latex_equivalence():
-    assert math_answer(r"Thus $\boxed{\frac{1}{2}}$", {"answer": "0.5"}) == 1.0
-    assert math_answer(r"Thus $\boxed{\frac{1}{3}}$", {"answer": "0.5"}) == 0.0
+@pytest.mark.parametrize("name,completion,answer", [
+    # What SmolLM2-135M-Instruct writes when asked a question: right, but not bare.
+    ("numeric", "The answer is 42.", "42"),
+    ("gsm8k", "She has 40 + 2 = 42 apples. The answer is 42.", "42"),
+    ("math", "Adding them gives 42. So the answer is $\\boxed{42}$.", "42"),
+    ("exact", "Let me think. <answer>42</answer>", "42"),
+])
+def test_real_model_answers_that_are_right_but_not_bare_score_one(name, completion, answer):
+    reward = BuiltinReward(name)
+    assert reward(completion, {"answer": answer}) == 1.0
+    # Without extraction the same completion scores 0 (what the issue saw); math-verify parses
+    # LaTeX itself, so math is the exception.
+    if name != "math":
+        assert BuiltinReward(name, extract="none")(completion, {"answer": answer}) == 0.0
+
+
+def test_reasoning_gym_extracts_the_answer_tag_its_prompts_ask_for():
+    from training_core.data.datasets import reasoning_gym_rows
+    from training_core.data.templates import prompt_template_text
+
+    row = reasoning_gym_rows("basic_arithmetic", 1, 0, {})[0]
+    completion = f"First I add the numbers. The result is {row['answer']}.\n<answer>{row['answer']}</answer>"
+    reward = BuiltinReward("reasoning_gym")
+    assert reward(completion, row) == 1.0
+    assert reward.extracted(completion) == str(row["answer"])
+    assert "<answer>" in prompt_template_text("reasoning_gym")
+    assert prompt_template_text("gsm8k").format(question="q").startswith("q")
+
+
+def test_extract_option_is_named_and_validated():
+    assert resolve_reward("builtin:math", "last_number").extracted("x \\boxed{3} then 4") == "4"
+    assert resolve_reward("builtin:math").extracted("x \\boxed{3} then 4") == "3"
+    with pytest.raises(ValueError, match="reward.extract 'xml' is unknown"):
+        resolve_reward("builtin:math", "xml")
+    with pytest.raises(ValueError, match="built-in rewards only"):
+        resolve_reward("tests.training_core.rewards_for_tests:digit_reward", "boxed")
 
 
 def test_reasoning_gym_scorer_is_used():
     from training_core.data.datasets import reasoning_gym_rows
 
     row = reasoning_gym_rows("basic_arithmetic", 1, 0, {})[0]
+    reward = BuiltinReward("reasoning_gym")
+    assert reward(f"<answer>{row['answer']}</answer>", row) == 1.0
+    assert reward("definitely wrong", row) < 1.0
+    # The scorer sees only what the extractor found.
     assert reasoning_gym_answer(row["answer"], row) == 1.0
-    assert reasoning_gym_answer("definitely wrong", row) < 1.0
 
 
 def test_registry_errors_name_the_problem():
@@ -69,7 +109,7 @@ def test_pool_scores_and_survives_exceptions_and_timeouts():
             ok.close(), bad.close(), slow.close()
 
     good, err, late, took, again, failures = asyncio.run(scenario())
-    assert good.reward == 1.0 and good.error is None
+    assert good.reward == 1.0 and good.error is None and good.extracted == "3,7"
     assert err.reward == 0.0 and "user reward bug" in err.error
     assert late.reward == 0.0 and "timed out" in late.error and took < 10
     assert again.reward == 0.0 and failures == 2

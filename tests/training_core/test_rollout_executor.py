@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import pytest
+import torch
 
 from training_core.api import GenerationResponse, Trajectory, TrajectoryGroup
 from training_core.data.datasets import PromptLoader
@@ -132,7 +133,7 @@ def test_strict_token_staleness_drops_stragglers_at_consume_time():
             dropped += batch.dropped_stale_samples
             for g in batch.groups:
                 for s in g.samples:
-                    if not s.info.get("dropped_stale"):
+                    if not s.dropped:
                         assert v - s.versions[-1] <= 1
             engine.set_version(v + 1)
             ex.kick()
@@ -157,3 +158,141 @@ def test_episode_errors_surface_in_the_trainer():
 def test_generation_response_is_plain_data():
     r = GenerationResponse([1], [2], [-0.1], [0], "stop")
     assert r.interruptions == 0
+
+
+def _straggler_run(max_token_staleness, versions=14, seed=3):
+    """B=2, eta=1, M=8; one episode in four is a straggler (10x slower). Returns, per consumed
+    sample, (version at consume, oldest token version, dropped)."""
+    import random
+
+    rng = random.Random(seed)
+    rows = [{"i": i} for i in range(400)]
+    delays = {}
+
+    def delay(item):
+        return delays.setdefault(item["i"], 0.2 if rng.random() < 0.25 else 0.02)
+
+    engine, ex = _executor(rows, ScriptedWorkflow(delay), B=2, eta=1, M=8,
+                           max_token_staleness=max_token_staleness)
+    seen = []
+    try:
+        for v in range(versions):
+            batch = ex.prepare_batch(2, v, timeout_s=10)
+            seen += [(v, s.oldest_version, s.dropped) for g in batch.groups for s in g.samples]
+            engine.set_version(v + 1)
+            ex.kick()
+    finally:
+        ex.stop()
+    return seen
+
+
+def test_with_stragglers_no_consumed_token_is_older_than_eta():
+    from training_core.config import RunSpec
+
+    eta = 1
+    # The admission formula alone lets stragglers through (completion out of order) ...
+    unbounded = _straggler_run(max_token_staleness=None)
+    assert max(v - oldest for v, oldest, _ in unbounded) > eta
+    # ... the consume-time bound, on by default at eta, keeps every trained token within eta.
+    bound = RunSpec.model_validate({"rollout": {"max_staleness": eta}}).rollout.token_staleness_bound
+    assert bound == eta
+    bounded = _straggler_run(max_token_staleness=bound)
+    assert all(v - oldest <= eta for v, oldest, dropped in bounded if not dropped)
+    assert any(dropped for _, _, dropped in bounded)
+
+
+def test_an_episode_error_is_counted_and_the_run_goes_on():
+    from training_core.engines.rollout_client import GenerationAborted
+
+    class FailsOnThree(ScriptedWorkflow):
+        async def arun_episode(self, engine, item):
+            if item["i"] % 5 == 3:
+                raise GenerationAborted("server aborted the request: input too long")
+            return await super().arun_episode(engine, item)
+
+    rows = [{"i": i} for i in range(20)]
+    engine, ex = _executor(rows, FailsOnThree(lambda item: 0.001), B=2, eta=0, M=4)
+    failures = []
+    try:
+        for v in range(4):
+            batch = ex.prepare_batch(2, v, timeout_s=10)
+            failures += batch.episode_failures
+            assert len(batch.groups) == 2
+            engine.set_version(v + 1)
+            ex.kick()
+    finally:
+        ex.stop()
+    assert failures and all(ex.loader.row(f.prompt_index)["i"] % 5 == 3 for f in failures)
+    assert "input too long" in failures[0].message
+
+
+def test_a_stalled_batch_fails_with_the_reason():
+    from training_core.engines.rollout_client import RequestRejected
+    from training_core.rollout import BatchTimeout
+
+    rows = [{"i": i} for i in range(50)]
+    wf = ScriptedWorkflow(lambda item: 0.001, reward_of=lambda item: 0.5)
+    engine, ex = _executor(rows, wf, dynamic_filter=True)
+    try:
+        with pytest.raises(BatchTimeout, match="no batch for 1 s: every group rejected by the dynamic filter"):
+            ex.prepare_batch(2, 0, timeout_s=1)
+    finally:
+        ex.stop()
+
+    class Rejected:
+        async def arun_episode(self, engine, item):
+            await asyncio.sleep(0.001)
+            raise RequestRejected("http://127.0.0.2:1/generate -> 400: bad request")
+
+    engine, ex = _executor(rows, Rejected())
+    try:
+        with pytest.raises(BatchTimeout, match="every episode failed .* 400: bad request"):
+            ex.prepare_batch(2, 0, timeout_s=1)
+    finally:
+        ex.stop()
+
+
+def test_resume_state_holds_prompts_handed_out_but_not_trained_on():
+    rows = [{"i": i} for i in range(50)]
+    engine, ex = _executor(rows, ScriptedWorkflow(lambda item: 0.001), B=2, eta=0, M=100)
+    try:
+        batch = ex.prepare_batch(2, 0, timeout_s=10)
+        engine.set_version(1)
+        ex.kick()
+        time.sleep(0.2)  # the next batch's episodes start (eta=0: exactly B of them)
+        state = ex.resume_state()
+    finally:
+        ex.stop()
+    consumed = sorted(g.prompt_index for g in batch.groups)
+    assert consumed == [0, 1]
+    assert state == {"loader_position": 4, "pending_prompts": [2, 3]}
+    # A resumed loader hands out exactly those again, then continues the stream.
+    loader = PromptLoader(rows, seed=0)
+    loader.restore(state["loader_position"], state["pending_prompts"])
+    fresh = PromptLoader(rows, seed=0)
+    expected = [fresh.next() for _ in range(6)][2:]
+    assert [loader.next() for _ in range(4)] == expected
+
+
+def test_dropping_a_stale_sample_changes_no_other_sample():
+    from training_core.algorithms.presets import PRESETS
+    from training_core.batching import build_train_batch
+
+    def group():
+        long = Trajectory([1, 2, 3, 4], [0, 1, 1, 1], [0, -1, -1, -1], [-1, 0, 0, 0], 1.0)
+        short = Trajectory([1, 2], [0, 1], [0, -1], [-1, 5], 0.0)
+        return TrajectoryGroup([long, short])
+
+    kept, dropped = group(), group()
+    dropped.samples[0].dropped = True
+    dapo = PRESETS["dapo"]
+    a = build_train_batch([kept], pad_id=0, algo=dapo, max_new_tokens=4)
+    b = build_train_batch([dropped], pad_id=0, algo=dapo, max_new_tokens=4)
+    # The other sample's advantage (baseline and overlong penalty included) is unchanged ...
+    assert torch.equal(a.advantages[1], b.advantages[1])
+    # ... and only the dropped sample leaves the loss.
+    assert b.loss_mask[0].sum() == 0 and torch.equal(a.loss_mask[1], b.loss_mask[1])
+    # Its tokens still count in the staleness metrics: the lag of the stale sample shows.
+    from training_core.train import batch_metrics
+
+    assert batch_metrics([dropped], version=5, algo=dapo)["staleness/max"] == 5

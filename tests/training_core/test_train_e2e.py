@@ -39,7 +39,7 @@ def test_async_steps_versions_staleness_and_weights_reach_the_server(tiny_model_
             "rollout.max_staleness=1", "rollout.max_token_staleness=1", "checkpoint.every=2",
             "eval.every=2"])
         result = train(spec, progress=False)
-        info = httpx.get(url + "/get_model_info").json()
+        info = httpx.get(url + "/model_info").json()
     finally:
         fleet.stop()
 
@@ -110,3 +110,52 @@ def test_sigkill_mid_run_then_resume_repeats_and_skips_no_step(tmp_path):
     events = [json.loads(line) for line in (run_dir / "events.jsonl").open()]
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert resumed and resumed[0]["step"] >= killed_at - 1
+
+
+@pytest.mark.slow
+def test_a_prompt_the_server_aborts_fails_its_episode_and_the_run_completes(tmp_path):
+    """SGLang (and the embedded server) abort a prompt longer than the context at once with no
+    tokens. Before the fix the client re-submitted it forever and the run hung."""
+    from training_core.train import train
+
+    data = tmp_path / "data.jsonl"
+    rows = [{"question": f"{i}+{i}=", "answer": str(2 * i)} for i in range(1, 40)]
+    rows[5] = {"question": "9" * 600, "answer": "9"}  # 600 tokens; the tiny model holds 512
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = load_spec(None, [o for o in SMALL if not o.startswith("data.")] + [
+        f"run_dir={tmp_path / 'run'}", f"data.source=jsonl:{data}", "data.eval_size=0",
+        "trainer.steps=12", "rollout.max_staleness=1", "checkpoint.every=0", "eval.every=0",
+        "rollout.batch_timeout_s=120"])
+    result = train(spec, progress=False)
+    assert result.last_step == 12
+    events = [json.loads(line) for line in (result.run_dir / "events.jsonl").open()]
+    failed = [e for e in events if e["kind"] == "episode_failed"]
+    assert failed and "exceeds the maximum allowed length" in failed[0]["message"]
+    assert sum(r.get("rollout/episode_errors", 0) for r in read_metrics(result.run_dir)) >= 1
+
+
+@pytest.mark.slow
+def test_stop_and_resume_trains_on_the_same_prompts_as_an_uninterrupted_run(tmp_path):
+    """With eta = 0 the prompts of each batch are fixed, so stop + resume must train on exactly
+    the uninterrupted run's prompts. Before the fix, the prompts in flight at the checkpoint
+    were skipped on resume (the loader position counted them as used)."""
+    from training_core.metrics import read_batch_log
+    from training_core.train import train
+
+    common = SMALL + ["rollout.max_staleness=0", "checkpoint.every=1", "eval.every=0"]
+    whole = train(load_spec(None, common + [f"run_dir={tmp_path / 'whole'}", "trainer.steps=6"]),
+                  progress=False)
+    part = tmp_path / "part"
+    train(load_spec(None, common + [f"run_dir={part}", "trainer.steps=3"]), progress=False)
+    resumed = train(load_spec(None, common + [f"run_dir={part}", "trainer.steps=6"]),
+                    resume_dir=part, progress=False)
+    assert resumed.last_step == 6
+
+    def prompts(run_dir):
+        log = read_batch_log(run_dir)
+        assert [b["step"] for b in log] == list(range(1, 7))
+        return sorted(p for b in log for p in b["prompts"])
+
+    assert prompts(part) == prompts(whole.run_dir) == list(range(6 * 2))
+    events = [json.loads(line) for line in (part / "events.jsonl").open()]
+    assert [e["requeued_prompts"] for e in events if e["kind"] == "resumed"] == [2]

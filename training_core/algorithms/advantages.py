@@ -41,11 +41,13 @@ def group_advantages(
 
 def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, cfg: AlgorithmConfig) -> torch.Tensor:
     """DAPO's soft overlong punishment: 0 up to ``max - buffer`` tokens, then a linear ramp to
-    ``-overlong_penalty`` at ``max`` tokens."""
+    ``-overlong_penalty`` at ``max`` tokens; ``buffer`` is ``overlong_buffer`` (a fraction) of
+    ``max_new_tokens``, at least one token."""
     if cfg.overlong_buffer <= 0 or cfg.overlong_penalty == 0:
         return torch.zeros_like(lengths, dtype=torch.float32)
-    start = max_new_tokens - cfg.overlong_buffer
-    over = (lengths.to(torch.float32) - start).clamp(min=0) / cfg.overlong_buffer
+    buffer = max(1, round(cfg.overlong_buffer * max_new_tokens))
+    start = max_new_tokens - buffer
+    over = (lengths.to(torch.float32) - start).clamp(min=0) / buffer
     return -cfg.overlong_penalty * over.clamp(max=1.0)
 
 

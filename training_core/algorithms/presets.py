@@ -1,5 +1,12 @@
 """Algorithm presets are data, not code forks: each is a set of knobs the loss and the
-advantage functions read. A run spec field left ``None`` takes its preset's value."""
+advantage functions read. A run spec field left ``None`` takes its preset's value.
+
+Normalisation: every preset divides the summed token losses by the number of output tokens in
+the global batch (a token mean, as DAPO and Dr.GRPO recommend). So ``grpo`` here has no
+per-sequence 1/|o| factor: long and short answers weigh by their tokens. What ``dr_grpo`` changes
+on top is only the advantage: no division by the group's reward std (that std favours groups that
+are almost all right or all wrong).
+"""
 
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ class AlgorithmConfig:
     behav_weight_mode: Literal["mask", "clip"] = "mask"
     kl_coef: float = 0.0
     dynamic_filter: bool = False
-    overlong_buffer: int = 0  # DAPO soft overlong punishment window, in tokens
+    overlong_buffer: float = 0.0  # DAPO soft overlong window, a fraction of max_new_tokens
     overlong_penalty: float = 0.0  # reward subtracted at the very end of the window
 
 
@@ -31,9 +38,9 @@ PRESETS: dict[str, AlgorithmConfig] = {
     "rloo": AlgorithmConfig(baseline="leave_one_out", normalize_std=False),
     # DAPO: clip-higher, dynamic filtering of all-same groups, soft overlong penalty.
     "dapo": AlgorithmConfig(
-        eps_clip_high=0.28, dynamic_filter=True, overlong_buffer=4, overlong_penalty=1.0
+        eps_clip_high=0.28, dynamic_filter=True, overlong_buffer=0.2, overlong_penalty=1.0
     ),
-    # Plain PPO-style policy gradient with a KL term to the initial policy (k3 estimator).
+    # Plain PPO-style policy gradient with a KL penalty to the initial policy (k2 in the loss).
     "ppo_kl": AlgorithmConfig(baseline="batch_mean", normalize_std=False, kl_coef=0.05),
 }
 

@@ -10,6 +10,7 @@ import csv
 import json
 import random
 import re
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,16 +152,29 @@ def load_data(spec_data: Any, seed: int) -> LoadedData:
 
 
 class PromptLoader:
-    """Endless, seeded, resumable iteration over training rows (position is checkpointed)."""
+    """Endless, seeded, resumable iteration over training rows.
+
+    Index ``i`` of the stream always maps to the same row (epoch ``i // len(rows)``, shuffled by
+    the seed), so a checkpoint needs only the position and the indices handed out but not yet
+    trained on; :meth:`restore` hands those out again before continuing.
+    """
 
     def __init__(self, rows: list[dict[str, Any]], seed: int):
         if not rows:
             raise DatasetError("no training rows")
         self.rows = rows
         self.seed = seed
-        self.position = 0  # items handed out since the start
+        self.position = 0  # stream indices handed out since the start
+        self._requeued: deque[int] = deque()
         self._epoch = -1
         self._order: list[int] = []
+
+    def restore(self, position: int, pending: list[int] | None = None) -> None:
+        bad = [i for i in pending or [] if not 0 <= i < position]
+        if bad:
+            raise DatasetError(f"checkpointed prompt indices {bad[:5]} lie outside 0..{position - 1}")
+        self.position = position
+        self._requeued = deque(sorted(pending or []))
 
     def _order_for(self, epoch: int) -> list[int]:
         if epoch != self._epoch:
@@ -169,8 +183,14 @@ class PromptLoader:
             self._epoch, self._order = epoch, order
         return self._order
 
+    def row(self, index: int) -> dict[str, Any]:
+        epoch, idx = divmod(index, len(self.rows))
+        return self.rows[self._order_for(epoch)[idx]]
+
     def next(self) -> tuple[int, dict[str, Any]]:
-        epoch, idx = divmod(self.position, len(self.rows))
-        row_index = self._order_for(epoch)[idx]
-        self.position += 1
-        return self.position - 1, self.rows[row_index]
+        if self._requeued:
+            index = self._requeued.popleft()
+        else:
+            index = self.position
+            self.position += 1
+        return index, self.row(index)

@@ -64,6 +64,20 @@ def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]
     return batches
 
 
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Zero every dropout: ``nn.Dropout`` modules and the float ``*dropout*`` attributes that
+    attention implementations read (Llama's ``attention_dropout``), and the config's."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    for name, value in list(vars(model.config).items()):
+        if "dropout" in name and isinstance(value, float):
+            setattr(model.config, name, 0.0)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -133,10 +147,14 @@ class DeepSpeedTrainer:
         self.zero_stage = zero_stage
         model = load_model(model_dir, dtype).to(self.device)
         model.config.use_cache = False
+        # The proximal logprobs are computed in eval mode and the update in train mode: with
+        # dropout on, the PPO ratio would not start at 1 (AReaL turns dropout off as well).
+        disable_dropout(model)
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.reference = None
         if keep_reference:  # frozen copy of the initial policy for KL-regularised presets
             self.reference = load_model(model_dir, dtype).to(self.device).eval()
+            disable_dropout(self.reference)
             self.reference.requires_grad_(False)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
                                       betas=(0.9, 0.999))
@@ -267,7 +285,8 @@ class DeepSpeedTrainer:
     def save_checkpoint(self, ckpt_dir: str | Path, tag: str, client_state: dict[str, Any]) -> Path:
         state = dict(client_state)
         state["rng"] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                        "torch": torch.get_rng_state()}
+                        "torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state)
         rank, world = rank_and_world()
         if world > 1:
@@ -287,4 +306,6 @@ class DeepSpeedTrainer:
             random.setstate(rng["python"])
             np.random.set_state(rng["numpy"])
             torch.set_rng_state(rng["torch"])
+            if rng.get("cuda") is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
         return state

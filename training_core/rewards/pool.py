@@ -27,6 +27,7 @@ class RewardResult:
     reward: float
     error: str | None = None
     elapsed_s: float = 0.0
+    extracted: str | None = None  # the answer a built-in reward extracted and scored
 
 
 def _worker_main(conn: Any) -> None:
@@ -39,10 +40,11 @@ def _worker_main(conn: Any) -> None:
             return
         if msg is None:
             return
-        path, completion, item = msg
+        path, extract, completion, item = msg
         try:
-            fn = cache.get(path) or cache.setdefault(path, resolve_reward(path))
-            conn.send(("ok", float(fn(completion, item))))
+            key = f"{path}|{extract}"
+            fn = cache.get(key) or cache.setdefault(key, resolve_reward(path, extract))
+            conn.send(("ok", (float(fn(completion, item)), fn.extracted(completion))))
         except BaseException as exc:  # noqa: BLE001 - report everything, keep serving
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -73,8 +75,10 @@ class RewardPool:
     """``await pool.score(completion, item)`` -> RewardResult. ``executor='inline'`` skips processes."""
 
     def __init__(self, fn_path: str, *, workers: int = 1, timeout_s: float = 10.0,
-                 executor: str = "process", remote_backend: str | None = None):
+                 executor: str = "process", remote_backend: str | None = None,
+                 extract: str = "auto"):
         self.fn_path = fn_path
+        self.extract = extract
         self.timeout_s = timeout_s
         self.executor = executor
         self.failures = 0
@@ -85,7 +89,7 @@ class RewardPool:
             import importlib
 
             self._remote = getattr(importlib.import_module(module), cls)(fn_path, timeout_s=timeout_s)
-        self._inline_fn = resolve_reward(fn_path)  # fail fast on a bad path
+        self._inline_fn = resolve_reward(fn_path, extract)  # fail fast on a bad path
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
         self._idle: asyncio.Queue[_Worker] | None = None
@@ -115,18 +119,20 @@ class RewardPool:
         if self.executor == "inline":
             try:
                 return RewardResult(float(self._inline_fn(completion, item)), None,
-                                    time.perf_counter() - start)
+                                    time.perf_counter() - start,
+                                    self._inline_fn.extracted(completion))
             except Exception as exc:  # noqa: BLE001
                 return self._failed(f"{type(exc).__name__}: {exc}", start)
         idle = self._ensure_started()
         worker = await idle.get()
         loop = asyncio.get_running_loop()
         status, value = await loop.run_in_executor(
-            self._threads, worker.call, (self.fn_path, completion, item), self.timeout_s
-        )
+            self._threads, worker.call, (self.fn_path, self.extract, completion, item),
+            self.timeout_s)
         if status == "ok":
             idle.put_nowait(worker)
-            return RewardResult(value, None, time.perf_counter() - start)
+            reward, extracted = value
+            return RewardResult(reward, None, time.perf_counter() - start, extracted)
         if status == "timeout" or not worker.proc.is_alive():
             worker.kill()
             self._workers.remove(worker)

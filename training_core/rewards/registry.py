@@ -7,7 +7,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from training_core.rewards.builtin import BUILTINS
+from training_core.rewards.builtin import BuiltinReward
 
 RewardCallable = Callable[[str, dict[str, Any]], float]
 
@@ -20,14 +20,29 @@ def user_reward_fn_path(reward_id: int, version: int, entrypoint: str) -> str:
     return f"{USER_REWARD_PACKAGE}.r{reward_id}_v{version}:{entrypoint}"
 
 
-def resolve_reward(path: str) -> RewardCallable:
+class FunctionReward:
+    """A user's ``fn(completion, item) -> float``: it sees the raw completion, extracts nothing."""
+
+    def __init__(self, fn: RewardCallable):
+        self.fn = fn
+
+    def extracted(self, completion: str) -> str | None:
+        return None
+
+    def __call__(self, completion: str, item: dict[str, Any]) -> float:
+        return self.fn(completion, item)
+
+
+def resolve_reward(path: str, extract: str = "auto") -> BuiltinReward | FunctionReward:
+    """The reward at ``path``: a callable with ``extracted(completion)`` for the trajectory view."""
     kind, sep, name = path.partition(":")
     if not sep:
         raise ValueError(f"reward.fn {path!r} must be 'builtin:<name>' or 'module:function'")
     if kind == "builtin":
-        if name not in BUILTINS:
-            raise ValueError(f"reward.fn builtin:{name} is unknown; use one of {', '.join(BUILTINS)}")
-        return BUILTINS[name]
+        return BuiltinReward(name, extract)
+    if extract not in ("auto", "none"):
+        raise ValueError(f"reward.extract {extract!r} applies to built-in rewards only; a "
+                         "function reward gets the raw completion")
     try:
         module = importlib.import_module(kind)
     except ImportError as exc:
@@ -35,4 +50,4 @@ def resolve_reward(path: str) -> RewardCallable:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"reward.fn {path!r}: module {kind!r} has no function {name!r}")
-    return fn
+    return FunctionReward(fn)

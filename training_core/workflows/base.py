@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from training_core.api import PROMPT_VERSION, GenerationResponse, SamplingParams, Trajectory
+from training_core.data.templates import prompt_template_text
 from training_core.rewards.pool import RewardPool
 
 
@@ -31,7 +32,7 @@ class WorkflowContext:
     turn_discount: float = 0.9
 
     def render_prompt(self, item: dict[str, Any]) -> list[int]:
-        text = self.prompt_template.format(**item)
+        text = prompt_template_text(self.prompt_template).format(**item)
         if self.chat_template:
             return list(self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,

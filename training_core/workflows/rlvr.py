@@ -17,7 +17,7 @@ class RLVRWorkflow:
         text = self.ctx.decode(resp.output_ids)
         scored = await self.ctx.rewards.score(text, item)
         return single_turn_trajectory(resp, scored.reward, completion=text,
-                                      reward_error=scored.error)
+                                      reward_error=scored.error, extracted=scored.extracted)
 
     async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> TrajectoryGroup | None:
         request = GenerationRequest(self.ctx.render_prompt(item), self.ctx.sampling)

@@ -125,7 +125,7 @@ class RunTrajectoriesApi(APIView):
         samples = trajectory_list(run=run, step=int(step) if step else None)
         return Response([{"step": s.step, "index": s.index, "prompt": s.prompt,
                           "completion": s.completion, "reward": s.reward, "tokens": s.tokens,
-                          "token_versions": s.token_versions} for s in samples])
+                          "token_versions": s.token_versions, "info": s.info} for s in samples])
 
 
 class RunCompareApi(APIView):

@@ -14,6 +14,7 @@ def checkpoint_evaluate(*, run_id: int, checkpoint_step: int | None = None, limi
 
     from training_core.checkpoint import pushed_weights
     from training_core.config import spec_from_dict
+    from training_core.data.templates import prompt_template_text
     from training_core.models.loading import load_model, load_tokenizer, run_model_dir
     from training_core.rewards.registry import resolve_reward
     from webapp.datasets.selectors import dataset_version_rows
@@ -29,11 +30,13 @@ def checkpoint_evaluate(*, run_id: int, checkpoint_step: int | None = None, limi
     model, tok = load_model(base).eval(), load_tokenizer(base)
     model.load_state_dict(load_file(str(wdir / "model.safetensors")), strict=False)
     model.tie_weights()
-    reward = resolve_reward(run.reward_version.fn_path) if run.reward_version.builtin_name else None
+    spec = spec_from_dict(run.spec)
+    reward = (resolve_reward(run.reward_version.fn_path, spec.reward.extract)
+              if run.reward_version.builtin_name else None)
     if reward is None:
         raise ValueError("offline evaluation of user-code rewards runs in the sandbox: not supported yet")
     rows = dataset_version_rows(version=run.dataset_version)[-limit:]
-    template = run.spec["data"]["prompt_template"]
+    template = prompt_template_text(spec.data.prompt_template)
     scores = []
     with torch.no_grad():
         for row in rows:

@@ -48,6 +48,14 @@
       const head = document.createElement("div");
       head.textContent = `reward ${s.reward.toFixed(3)} · prompt: ${s.prompt}`;
       d.appendChild(head);
+      const info = s.info || {};
+      if (info.extract) {  // what the reward scored: the answer its extractor found
+        const ans = document.createElement("div"); ans.className = "extracted";
+        ans.textContent = `answer (extract ${info.extract}): ` +
+          (info.extracted == null ? "none found" : info.extracted) +
+          (info.dropped_stale ? " · dropped from the loss (too stale)" : "");
+        d.appendChild(ans);
+      }
       s.tokens.forEach((tok, i) => {
         const span = document.createElement("span"); span.className = "tok"; span.textContent = tok;
         const v = s.token_versions[i] ?? 0;
@@ -60,8 +68,14 @@
   async function refreshEvents(runId) {
     const events = await getJSON(`/api/runs/${runId}/events/`);
     const ol = document.getElementById("events");
-    ol.innerHTML = events.slice().reverse().map(e =>
-      `<li><time>${e.time.slice(11, 19)}</time> <b>${e.kind}</b> ${e.message.replace(/</g, "&lt;")}</li>`).join("");
+    // Event text comes from run processes: build nodes with textContent, never HTML strings.
+    ol.replaceChildren(...events.slice().reverse().map(e => {
+      const li = document.createElement("li");
+      const time = document.createElement("time"); time.textContent = e.time.slice(11, 19);
+      const kind = document.createElement("b"); kind.textContent = e.kind;
+      li.append(time, " ", kind, " ", e.message);
+      return li;
+    }));
   }
   window.oolong = {
     runPage(runId, charts, live) {
