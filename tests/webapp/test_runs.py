@@ -127,3 +127,16 @@ def test_dashboard_run_list_ignores_a_bad_project_filter(client, alice, run):
     client.force_login(alice)
     r = client.get("/?project=abc&status=queued")
     assert r.status_code == 200 and b"r1" in r.content
+
+
+def test_built_in_datasets_ship_their_prompt_template(project, alice, reward_version):
+    from webapp.datasets.services import dataset_create_builtin
+
+    gsm = dataset_create_builtin(project=project, user=alice, name="gsm", builtin="gsm_symbolic",
+                                 size=5)
+    run = run_create(project=project, user=alice, name="g", dataset_version=gsm,
+                     reward_version=reward_version)
+    assert run.spec["data"]["prompt_template"] == "gsm8k"  # asks for '#### N', gsm8k extracts it
+    own = run_create(project=project, user=alice, name="own", dataset_version=gsm,
+                     reward_version=reward_version, spec={"data": {"prompt_template": "Q: {question}"}})
+    assert own.spec["data"]["prompt_template"] == "Q: {question}"

@@ -39,3 +39,11 @@ def dataset_version_rows(*, version: DatasetVersion, limit: int | None = None) -
             if limit is not None and len(rows) >= limit:
                 break
     return rows
+
+
+def dataset_version_prompt_template(*, version: DatasetVersion) -> str | None:
+    """The prompt template a built-in dataset ships with; None for uploads."""
+    from webapp.datasets.services import BUILTIN_PROMPT_TEMPLATES
+
+    kind, _, name = version.source.partition(":")
+    return BUILTIN_PROMPT_TEMPLATES.get(name) if kind == "builtin" else None

@@ -9,6 +9,7 @@ from django.utils import timezone
 from webapp.accounts.models import Project
 from webapp.api.errors import ApplicationError
 from webapp.datasets.models import DatasetVersion
+from webapp.datasets.selectors import dataset_version_prompt_template
 from webapp.rewards.models import RewardFunctionVersion
 from webapp.runs.models import Run, RunEvent
 
@@ -40,8 +41,11 @@ def run_create(*, project: Project, user, name: str, dataset_version: DatasetVer
     spec = dict(spec or {})
     spec["name"] = name
     # The dataset and reward are fixed by the run, not by free-form spec fields.
-    spec.setdefault("data", {})
+    spec["data"] = dict(spec.get("data") or {})
     spec.setdefault("reward", {})
+    template = dataset_version_prompt_template(version=dataset_version)
+    if template is not None:
+        spec["data"].setdefault("prompt_template", template)
     resolved = run_spec_validate(spec=spec)
     resolved["reward"]["fn"] = reward_version.fn_path
     run = Run.objects.create(project=project, name=name, dataset_version=dataset_version,
