@@ -8,7 +8,10 @@ carry -1.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 PROMPT_VERSION = -1
 
@@ -98,13 +101,6 @@ class TrajectoryGroup:
         return [s.reward for s in self.samples]
 
 
-@dataclass
-class WeightUpdateMeta:
-    version: int
-    kind: str = "disk"  # "disk" | "nccl"
-    path: str | None = None
-
-
 @runtime_checkable
 class InferenceEngine(Protocol):
     """What a workflow may call: generation that survives weight updates."""
@@ -115,12 +111,6 @@ class InferenceEngine(Protocol):
     def version(self) -> int: ...
 
 
-class RewardFunction(Protocol):
-    """A reward: pure function of the completion text and the dataset row."""
-
-    def __call__(self, completion: str, item: dict[str, Any]) -> float: ...
-
-
 class Workflow(Protocol):
     """One episode as one coroutine. Return ``None`` to reject the sample."""
 
@@ -129,11 +119,45 @@ class Workflow(Protocol):
     ) -> TrajectoryGroup | None: ...
 
 
+@dataclass
+class TrainBatch:
+    """What the trainer consumes: right-padded tensors, all [N, L], per-token arrays aligned with
+    ``input_ids`` (built from trajectory groups by ``training_core.batching``)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    behav_logp: torch.Tensor
+    versions: torch.Tensor
+    advantages: torch.Tensor
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.attention_mask.sum(-1).tolist()
+
+    def select(self, idx: list[int]) -> TrainBatch:
+        import torch
+
+        length = max(self.lengths[i] for i in idx)
+        t = torch.tensor(idx)
+        return TrainBatch(*(x[t, :length] for x in (
+            self.input_ids, self.attention_mask, self.loss_mask, self.behav_logp, self.versions,
+            self.advantages)))
+
+
 class MetricsSink(Protocol):
+    """Where a run reports: metrics per step, events, sample trajectories for the viewer,
+    checkpoints and its own status. Every sink implements all of it (a method that means nothing
+    for a sink is a no-op there)."""
+
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
 
     def event(self, kind: str, message: str, **data: Any) -> None: ...
 
-    # Optional: ``trajectories(step, samples)`` for the tracker's trajectory viewer.
+    def trajectories(self, step: int, samples: list[dict[str, Any]]) -> None: ...
+
+    def checkpoint(self, step: int, version: int, path: str) -> None: ...
+
+    def status(self, status: str, reason: str = "") -> None: ...
 
     def close(self) -> None: ...

@@ -6,8 +6,7 @@ import torch
 
 from training_core.algorithms.advantages import group_advantages, overlong_penalty
 from training_core.algorithms.presets import AlgorithmConfig
-from training_core.api import PROMPT_VERSION, TrajectoryGroup
-from training_core.engines.deepspeed_trainer import TrainBatch
+from training_core.api import PROMPT_VERSION, TrainBatch, TrajectoryGroup
 
 
 def build_train_batch(groups: list[TrajectoryGroup], *, pad_id: int, algo: AlgorithmConfig,

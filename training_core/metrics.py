@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from training_core.api import MetricsSink
+
 
 class JsonlSink:
     """``metrics.jsonl`` (one line per step) and ``events.jsonl`` in the run directory."""
@@ -29,6 +31,12 @@ class JsonlSink:
     def trajectories(self, step: int, samples: list[dict[str, Any]]) -> None:
         for s in samples:
             self._trajectories.write(json.dumps({"step": step, **s}) + "\n")
+
+    def checkpoint(self, step: int, version: int, path: str) -> None:
+        pass  # the checkpoint directory itself is the local record
+
+    def status(self, status: str, reason: str = "") -> None:
+        pass  # events.jsonl has started/finished/failed
 
     def close(self) -> None:
         self._metrics.close()
@@ -85,7 +93,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 class MultiSink:
-    def __init__(self, sinks: list[Any]):
+    def __init__(self, sinks: list[MetricsSink]):
         self.sinks = sinks
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -98,25 +106,15 @@ class MultiSink:
 
     def trajectories(self, step: int, samples: list[dict[str, Any]]) -> None:
         for s in self.sinks:
-            if hasattr(s, "trajectories"):
-                s.trajectories(step, samples)
+            s.trajectories(step, samples)
 
     def checkpoint(self, step: int, version: int, path: str) -> None:
         for s in self.sinks:
-            if hasattr(s, "checkpoint"):
-                s.checkpoint(step, version, path)
+            s.checkpoint(step, version, path)
 
-    @property
-    def status(self):
-        reporters = [s.status for s in self.sinks if hasattr(s, "status")]
-        if not reporters:
-            return None
-
-        def report(status: str, reason: str = "") -> None:
-            for r in reporters:
-                r(status, reason)
-
-        return report
+    def status(self, status: str, reason: str = "") -> None:
+        for s in self.sinks:
+            s.status(status, reason)
 
     def close(self) -> None:
         for s in self.sinks:

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from training_core.algorithms.loss import decoupled_ppo_loss
 from training_core.algorithms.presets import AlgorithmConfig, resolve_algorithm
-from training_core.api import GenerationRequest, MetricsSink, SamplingParams
+from training_core.api import GenerationRequest, MetricsSink, SamplingParams, TrainBatch
 from training_core.batching import build_train_batch
 from training_core.checkpoint import (
     checkpoint_dir,
@@ -42,15 +42,16 @@ from training_core.checkpoint import (
 )
 from training_core.config import RunSpec, dump_spec
 from training_core.data.datasets import PromptLoader, load_data
-from training_core.engines.deepspeed_trainer import DeepSpeedTrainer, TrainBatch, rank_and_world
+from training_core.engines.deepspeed_trainer import DeepSpeedTrainer, rank_and_world
 from training_core.engines.rollout_client import RolloutClient
 from training_core.launch import Fleet, start_embedded_fleet
 from training_core.metrics import BATCH_LOG, JsonlSink, MultiSink, truncate_metrics
 from training_core.models.loading import load_tokenizer, run_model_dir
 from training_core.rewards.pool import RewardPool
-from training_core.rollout import RolloutExecutor
+from training_core.rollout import Batch, RolloutExecutor
 from training_core.staleness import StalenessManager
-from training_core.workflows.base import WorkflowContext, load_workflow
+from training_core.workflows import load_workflow
+from training_core.workflows.base import WorkflowContext
 
 log = logging.getLogger("oolong.train")
 
@@ -173,6 +174,83 @@ def ppo_loss(algo: AlgorithmConfig):
     return lambda *a, **k: decoupled_ppo_loss(*a, cfg=algo, **k)
 
 
+@dataclass
+class Resumed:
+    version: int
+    first_step: int
+    state: dict[str, Any]  # the checkpoint's client state (loader position, pending prompts, ...)
+    tag: str
+
+
+def restore(trainer: DeepSpeedTrainer, run_dir: Path) -> Resumed | None:
+    """Load the latest complete checkpoint and export its weights (every rank takes part: under
+    ZeRO-3 the export gathers). None when there is none."""
+    found = latest_checkpoint(run_dir)
+    if not found:
+        return None
+    state = trainer.load_checkpoint(checkpoint_dir(run_dir), found[1])
+    trainer.save_weights(run_dir / "weights" / f"v{state['version']}")
+    return Resumed(state["version"], state["step"] + 1, state, found[1])
+
+
+def collective_update(trainer: DeepSpeedTrainer, tb: TrainBatch, algo: AlgorithmConfig,
+                      spec: RunSpec, weights_dir: Path, timers: Timers) -> dict[str, float]:
+    """Steps 3-5 of the loop: the part every rank runs, in this order, because each call holds
+    collectives (gradient all-reduce, ZeRO gathers for the export)."""
+    # 3. Proximal logprobs: the policy right before this update, by a trainer forward.
+    with timers("proximal_logp"):
+        prox, ref = proximal_and_reference(trainer, tb, algo, spec)
+    # 4. Policy update: decoupled PPO, token mean over the global batch.
+    with timers("update"):
+        stats = trainer.train_step(tb, prox, ppo_loss(algo), minibatches=spec.trainer.ppo_minibatches,
+                                   ref_logp=ref)
+    # 5. Export the new weights (generation keeps running meanwhile).
+    with timers("export_weights"):
+        trainer.save_weights(weights_dir)
+    return stats
+
+
+def checkpoint_if_due(trainer: DeepSpeedTrainer, spec: RunSpec, run_dir: Path, step: int,
+                      version: int, state: dict[str, Any], timers: Timers) -> Path | None:
+    """A collective too: every rank saves its shard at the same steps; rank 0 prunes."""
+    if not (spec.checkpoint.every and step % spec.checkpoint.every == 0):
+        return None
+    with timers("checkpoint"):
+        saved = trainer.save_checkpoint(checkpoint_dir(run_dir), f"step{step}",
+                                        {"version": version, "step": step, **state})
+        if rank_and_world()[0] == 0:
+            prune_checkpoints(run_dir, spec.checkpoint.keep)
+    return saved
+
+
+def step_metrics(batch: Batch, stats: dict[str, float], *, version: int, running: int,
+                 step_time: float) -> dict[str, float]:
+    """The trainer's and the rollout side's numbers for one step (the batch's own numbers come
+    from :func:`batch_metrics`)."""
+    tokens = stats["tokens"]
+    per_token = max(tokens, 1.0)
+    return {
+        "loss": stats["loss"],
+        "clip_frac": stats["clipped"] / per_token,
+        "behav_weight/mean": stats["behav_weight_sum"] / per_token,
+        "behav_weight/max": stats["behav_weight_max"],
+        "behav_weight/masked_frac": stats["behav_masked"] / per_token,
+        "kl": stats["kl_sum"] / per_token,
+        "grad_norm": stats["grad_norm"],
+        "tokens/consumed": tokens,
+        "tokens_per_s": tokens / step_time,
+        "rollout/queue_depth": batch.queue_depth,
+        "rollout/rejected_groups": batch.rejected_groups,
+        "rollout/dropped_stale_samples": batch.dropped_stale_samples,
+        "rollout/episode_errors": len(batch.episode_failures),
+        "rollout/running": running,
+        "version": version,
+        "time/step_s": step_time,
+        "time/generation_wait_s": batch.wait_s,
+        "time/training_s": step_time - batch.wait_s,
+    }
+
+
 def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool = True,
           sink: MetricsSink | None = None) -> RunResult:
     wall_start = time.perf_counter()
@@ -200,11 +278,8 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
         return follow_rank0(spec, trainer, algo, run_dir, resume=bool(resume_dir))
 
     # ---- resume: weights, optimizer, RNG, version, step; the prompt stream below -----------------
-    version, first_step, state = 0, 1, None
-    found = latest_checkpoint(run_dir) if resume_dir else None
-    if found:
-        state = trainer.load_checkpoint(checkpoint_dir(run_dir), found[1])
-        version, first_step = state["version"], state["step"] + 1
+    resumed = restore(trainer, run_dir) if resume_dir else None
+    version, first_step = (resumed.version, resumed.first_step) if resumed else (0, 1)
 
     fleet: Fleet | None = None
     if spec.rollout.server_urls:
@@ -225,15 +300,15 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
     sink = sink or make_sinks(spec, run_dir)
     weights_root = run_dir / "weights"
 
-    if state is not None:
+    if resumed is not None:
         # Prompts in flight or buffered at the checkpoint were never trained on: hand them out
         # again first (checkpoints from before this existed carry only the position).
+        state = resumed.state
         loader.restore(state["loader_position"], state.get("pending_prompts"))
         staleness.recover(version)
         dropped = truncate_metrics(run_dir, state["step"])
-        path = trainer.save_weights(weights_root / f"v{version}")
-        asyncio.run(_push_weights(client, path, version, close=True))
-        sink.event("resumed", f"resumed from {found[1]} at version {version}",
+        asyncio.run(_push_weights(client, weights_root / f"v{version}", version, close=True))
+        sink.event("resumed", f"resumed from {resumed.tag} at version {version}",
                    step=state["step"], discarded_metric_lines=dropped,
                    requeued_prompts=len(state.get("pending_prompts", [])))
     else:
@@ -264,9 +339,9 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
     timers = Timers()
     first_eval = last_eval = None
     sink.event("started", f"run {spec.name} at version {version}", run_dir=str(run_dir))
-    report = getattr(sink, "status", None) if spec.metrics.report_status else None
+    report = spec.metrics.report_status
     if report:
-        report("running")
+        sink.status("running")
     batch_log = (run_dir / BATCH_LOG).open("a", buffering=1)
     executor.start()
     bar = tqdm(total=spec.trainer.steps, initial=first_step - 1, disable=not progress,
@@ -296,35 +371,23 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
                                        max_new_tokens=spec.rollout.max_new_tokens)
                 tb = scatter_batch(tb, world)  # this rank's share (all of it with one process)
 
-            # 3. Proximal logprobs: the policy right before this update, by a trainer forward.
-            with timers("proximal_logp"):
-                prox, ref = proximal_and_reference(trainer, tb, algo, spec)
+            # 3-5. Proximal logprobs, update, weight export: on every rank (collective_update).
+            weights = weights_root / f"v{version + 1}"
+            stats = collective_update(trainer, tb, algo, spec, weights, timers)
 
-            # 4. Policy update: decoupled PPO, token mean over the global batch.
-            with timers("update"):
-                stats = trainer.train_step(tb, prox, ppo_loss(algo),
-                                           minibatches=spec.trainer.ppo_minibatches, ref_logp=ref)
-
-            # 5. Export weights while generation keeps running ...
-            with timers("export_weights"):
-                path = trainer.save_weights(weights_root / f"v{version + 1}")
-
-            # 6. ... and pause it only for the load: in-flight requests abort and are re-submitted
+            # 6. Pause generation only for the load: in-flight requests abort and are re-submitted
             #    with their partial output by the client once generation continues.
             with timers("weight_sync_pause"):
-                control.run_until_complete(_push_weights(client, path, version + 1))
+                control.run_until_complete(_push_weights(client, weights, version + 1))
             version += 1
             executor.kick()  # the staleness bound just moved: start more episodes
             _prune_weights(run_dir, keep_version=version)
 
             # 7. Checkpoint, evaluate, log: generation is already running again.
-            if spec.checkpoint.every and step % spec.checkpoint.every == 0:
-                with timers("checkpoint"):
-                    saved = trainer.save_checkpoint(checkpoint_dir(run_dir), f"step{step}", {
-                        "version": version, "step": step, **executor.resume_state()})
-                    prune_checkpoints(run_dir, spec.checkpoint.keep)
-                if hasattr(sink, "checkpoint"):
-                    sink.checkpoint(step, version, str(saved.resolve()))
+            saved = checkpoint_if_due(trainer, spec, run_dir, step, version,
+                                      executor.resume_state(), timers)
+            if saved is not None:
+                sink.checkpoint(step, version, str(saved.resolve()))
             if spec.eval.every and eval_rows and (step % spec.eval.every == 0
                                                   or step == spec.trainer.steps):
                 with timers("eval"):
@@ -332,46 +395,26 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
                         evaluate(client, ctx, eval_rows, spec.rollout.max_new_tokens))
                 metrics.update(last_eval)
 
-            tokens = stats["tokens"]
-            step_time = time.perf_counter() - step_start
-            metrics.update({
-                "loss": stats["loss"],
-                "clip_frac": stats["clipped"] / max(tokens, 1.0),
-                "behav_weight/mean": stats["behav_weight_sum"] / max(tokens, 1.0),
-                "behav_weight/max": stats["behav_weight_max"],
-                "behav_weight/masked_frac": stats["behav_masked"] / max(tokens, 1.0),
-                "kl": stats["kl_sum"] / max(tokens, 1.0),
-                "grad_norm": stats["grad_norm"],
-                "tokens/consumed": tokens,
-                "tokens_per_s": tokens / step_time,
-                "rollout/queue_depth": batch.queue_depth,
-                "rollout/rejected_groups": batch.rejected_groups,
-                "rollout/dropped_stale_samples": batch.dropped_stale_samples,
-                "rollout/episode_errors": len(batch.episode_failures),
-                "rollout/running": staleness.stats().running,
-                "version": version,
-                "time/step_s": step_time,
-                "time/generation_wait_s": batch.wait_s,
-                "time/training_s": step_time - batch.wait_s,
-                **timers.pop(),
-            })
+            metrics.update(step_metrics(batch, stats, version=version,
+                                        running=staleness.stats().running,
+                                        step_time=time.perf_counter() - step_start))
+            metrics.update(timers.pop())
             sink.log(step, metrics)
-            if hasattr(sink, "trajectories"):
-                sink.trajectories(step, sample_records(batch.groups, tokenizer, n=4,
-                                                       extract=spec.reward.extract))
+            sink.trajectories(step, sample_records(batch.groups, tokenizer, n=4,
+                                                   extract=spec.reward.extract))
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", v=version,
                             stale=f"{metrics['staleness/mean']:.2f}",
                             tok_s=f"{metrics['tokens_per_s']:.0f}")
         sink.event("finished", f"finished at step {step}, version {version}")
         if report:
-            report("succeeded")
+            sink.status("succeeded")
     except BaseException as exc:
         if world > 1:
             scatter_batch(None, world)  # tell the other ranks to stop
         sink.event("failed", f"{type(exc).__name__}: {exc}", step=step)
         if report:
-            report("failed", f"{type(exc).__name__}: {exc}")
+            sink.status("failed", f"{type(exc).__name__}: {exc}")
         raise
     finally:
         bar.close()
@@ -436,28 +479,19 @@ def scatter_batch(tb: TrainBatch | None, world: int) -> TrainBatch | None:
 
 def follow_rank0(spec: RunSpec, trainer: DeepSpeedTrainer, algo: AlgorithmConfig, run_dir: Path,
                  *, resume: bool) -> RunResult:
-    """The loop of ranks other than 0: the same collective calls in the same order (train step,
-    weight gather for export, checkpoint), on the shard rank 0 sends."""
+    """The loop of ranks other than 0: the same collective calls in the same order as rank 0
+    (restore, collective_update, checkpoint_if_due), on the shard rank 0 sends."""
     start = time.perf_counter()
     _, world = rank_and_world()
-    version, first_step = 0, 1
-    found = latest_checkpoint(run_dir) if resume else None
-    if found:
-        state = trainer.load_checkpoint(checkpoint_dir(run_dir), found[1])
-        version, first_step = state["version"], state["step"] + 1
-        trainer.save_weights(run_dir / "weights" / f"v{version}")
+    resumed = restore(trainer, run_dir) if resume else None
+    version, first_step = (resumed.version, resumed.first_step) if resumed else (0, 1)
+    timers = Timers()  # rank 0 reports the timings
     step = first_step - 1
     for step in range(first_step, spec.trainer.steps + 1):
         tb = scatter_batch(None, world)
         if tb is None:
             break
-        prox, ref = proximal_and_reference(trainer, tb, algo, spec)
-        trainer.train_step(tb, prox, ppo_loss(algo), minibatches=spec.trainer.ppo_minibatches,
-                           ref_logp=ref)
-        trainer.save_weights(run_dir / "weights" / f"v{version + 1}")
+        collective_update(trainer, tb, algo, spec, run_dir / "weights" / f"v{version + 1}", timers)
         version += 1
-        if spec.checkpoint.every and step % spec.checkpoint.every == 0:
-            trainer.save_checkpoint(checkpoint_dir(run_dir), f"step{step}",
-                                    {"version": version, "step": step, "loader_position": 0,
-                                     "pending_prompts": []})
+        checkpoint_if_due(trainer, spec, run_dir, step, version, {}, timers)
     return RunResult(run_dir, version, step, None, None, time.perf_counter() - start)

@@ -8,7 +8,8 @@ from training_core.api import PROMPT_VERSION, SamplingParams
 from training_core.engines.rollout_client import RolloutClient
 from training_core.models.loading import load_tokenizer
 from training_core.rewards.pool import RewardPool
-from training_core.workflows.base import WorkflowContext, load_workflow
+from training_core.workflows import load_workflow
+from training_core.workflows.base import WorkflowContext
 
 
 def _ctx(tiny_model_dir, fn, **kw):

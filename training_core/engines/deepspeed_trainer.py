@@ -13,37 +13,14 @@ import random
 import shutil
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from training_core.api import TrainBatch
 from training_core.models.loading import load_model
-
-
-@dataclass
-class TrainBatch:
-    """Right-padded tensors, all [N, L]; per-token arrays are aligned with ``input_ids``."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    loss_mask: torch.Tensor
-    behav_logp: torch.Tensor
-    versions: torch.Tensor
-    advantages: torch.Tensor
-
-    @property
-    def lengths(self) -> list[int]:
-        return self.attention_mask.sum(-1).tolist()
-
-    def select(self, idx: list[int]) -> TrainBatch:
-        length = max(self.lengths[i] for i in idx)
-        t = torch.tensor(idx)
-        return TrainBatch(*(x[t, :length] for x in (
-            self.input_ids, self.attention_mask, self.loss_mask, self.behav_logp, self.versions,
-            self.advantages)))
 
 
 def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:

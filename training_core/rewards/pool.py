@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from training_core.imports import import_string
 from training_core.rewards.registry import resolve_reward
 
 log = logging.getLogger(__name__)
@@ -85,10 +86,8 @@ class RewardPool:
         self._remote = None
         if executor == "remote":
             # Loaded by import path: the engine knows no queue library.
-            module, _, cls = (remote_backend or "").partition(":")
-            import importlib
-
-            self._remote = getattr(importlib.import_module(module), cls)(fn_path, timeout_s=timeout_s)
+            backend = import_string(remote_backend or "", field="reward.remote_backend", kind="class")
+            self._remote = backend(fn_path, timeout_s=timeout_s)
         self._inline_fn = resolve_reward(fn_path, extract)  # fail fast on a bad path
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable
 from typing import Any
 
+from training_core.imports import import_string
 from training_core.rewards.builtin import BuiltinReward
 
 RewardCallable = Callable[[str, dict[str, Any]], float]
@@ -43,11 +43,7 @@ def resolve_reward(path: str, extract: str = "auto") -> BuiltinReward | Function
     if extract not in ("auto", "none"):
         raise ValueError(f"reward.extract {extract!r} applies to built-in rewards only; a "
                          "function reward gets the raw completion")
-    try:
-        module = importlib.import_module(kind)
-    except ImportError as exc:
-        raise ValueError(f"reward.fn {path!r}: cannot import module {kind!r} ({exc})") from None
-    fn = getattr(module, name, None)
+    fn = import_string(path, field="reward.fn", kind="function")
     if not callable(fn):
-        raise ValueError(f"reward.fn {path!r}: module {kind!r} has no function {name!r}")
+        raise ValueError(f"reward.fn {path!r}: {name!r} is not a function")
     return FunctionReward(fn)

@@ -1,6 +1,7 @@
 """Shared pieces of workflows: prompt rendering, stitching trajectories, loading by path.
 
-To write a new task, implement the :class:`training_core.api.Workflow` Protocol in one file:
+To write a new task, implement the :class:`training_core.api.Workflow` Protocol in one file
+(the registry of named workflows is ``training_core.workflows``):
 
     class MyWorkflow:
         def __init__(self, ctx: WorkflowContext): ...
@@ -11,7 +12,6 @@ and point ``rollout.workflow`` at ``my_package.my_module:MyWorkflow``.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,18 +54,3 @@ def single_turn_trajectory(resp: GenerationResponse, reward: float, **info: Any)
         truncated=resp.finish_reason == "length",
         info={"interruptions": resp.interruptions, **info},
     )
-
-
-def load_workflow(name: str, ctx: WorkflowContext) -> Any:
-    if name == "rlvr":
-        from training_core.workflows.rlvr import RLVRWorkflow
-
-        return RLVRWorkflow(ctx)
-    if name == "multi_turn":
-        from training_core.workflows.multi_turn import MultiTurnWorkflow
-
-        return MultiTurnWorkflow(ctx)
-    module, sep, cls = name.partition(":")
-    if not sep:
-        raise ValueError(f"rollout.workflow {name!r}: use rlvr, multi_turn or module:Class")
-    return getattr(importlib.import_module(module), cls)(ctx)
