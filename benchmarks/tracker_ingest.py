@@ -77,7 +77,7 @@ def main() -> int:
     queries = 60 if args.quick else 200
 
     ensure_database(args.database_url)
-    os.environ.update({"DATABASE_URL": args.database_url, "OOLONG_RUN_SUBMISSION": "none",
+    os.environ.update({"DATABASE_URL": args.database_url, "CELERY_BROKER_URL": "memory://",
                        "DJANGO_SETTINGS_MODULE": "webapp.config.settings.local",
                        "OOLONG_DATA_DIR": str(ROOT / ".cache" / "bench-webapp")})
     import django

@@ -28,24 +28,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from training_core.http import WebClient, wait_healthy  # noqa: E402
 from training_core.launch import free_port  # noqa: E402
 from training_core.runs_cli import watch_run  # noqa: E402
 
 
 def sh(*args: str, env: dict, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, check=True, **kw)
-
-
-def wait_http(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code < 500:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} did not answer in {timeout_s:.0f}s")
 
 
 def main() -> int:
@@ -62,7 +51,7 @@ def main() -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OOLONG_DATA_DIR": str(data_dir), "OMP_NUM_THREADS": "1",
            "DJANGO_SETTINGS_MODULE": "webapp.config.settings.local", "TOKENIZERS_PARALLELISM": "false",
-           "OOLONG_RUN_SUBMISSION": "celery", "OOLONG_PREFECT_MODE": "local",
+           "OOLONG_PREFECT_MODE": "local",
            "OOLONG_RUNS_DIR": os.environ.get("OOLONG_RUNS_DIR", str(ROOT / "runs"))}
     # The demo is the embedded default: SQLite, a local broker, Prefect without a server.
     for name in ("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "PREFECT_API_URL"):
@@ -87,8 +76,8 @@ def main() -> int:
                                "-P", "solo", "--loglevel", "INFO"], cwd=ROOT, env=env,
                               stdout=(data_dir / "worker.log").open("w"), stderr=subprocess.STDOUT)
     try:
-        wait_http(base + "/accounts/login/")
-        api = httpx.Client(base_url=base, headers={"Authorization": f"Token {token}"}, timeout=120)
+        wait_healthy(base + "/accounts/login/", 60, ok=lambda status: status < 500, interval_s=0.3)
+        api = WebClient.for_user(base, token, timeout_s=120).http
 
         print("2/4 REST API: dataset, reward function and run", flush=True)
         ds = api.post("/api/datasets/builtin/", json={"project": int(project_id), "name": "arithmetic",

@@ -15,9 +15,14 @@ CHECKOV_ENV=.cache/tools/checkov
 if [ ! -x "$CHECKOV_ENV/bin/checkov" ]; then
   echo "installing checkov into $CHECKOV_ENV"
   python3.11 -m venv "$CHECKOV_ENV"
-  "$CHECKOV_ENV/bin/pip" install -q --disable-pip-version-check checkov==3.3.30
+  "$CHECKOV_ENV/bin/pip" install -q --disable-pip-version-check -c constraints.txt checkov
 fi
 mkdir -p test-artifacts
+# The shape the code must keep: lint, then the architecture contracts in pyproject.toml
+# (training_core imports nothing of ours, the web app never imports workers, layers per app).
+echo "lint: ruff check, lint-imports"
+.venv/bin/ruff check .
+.venv/bin/lint-imports --no-cache
 set +e
 .venv/bin/python -m pytest -p no:cacheprovider "$@"
 rc=$?

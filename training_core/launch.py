@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from training_core.http import wait_healthy
 
 
 def free_port() -> int:
@@ -54,18 +54,17 @@ class Fleet:
         deadline = time.monotonic() + timeout_s
         for url, proc, log in zip(self.urls, self.processes or [None] * len(self.urls),
                                   self.logs or [None] * len(self.urls), strict=False):
-            while True:
-                if proc is not None and proc.poll() is not None:
-                    tail = log.read_text()[-2000:] if log and log.exists() else ""
-                    raise RuntimeError(f"rollout server {url} exited with {proc.returncode}:\n{tail}")
-                try:
-                    if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rollout server {url} not healthy after {timeout_s:.0f}s")
-                time.sleep(0.25)
+
+            def dead(url=url, proc=proc, log=log) -> str | None:
+                if proc is None or proc.poll() is None:
+                    return None
+                tail = log.read_text()[-2000:] if log and log.exists() else ""
+                return f"rollout server {url} exited with {proc.returncode}:\n{tail}"
+
+            try:
+                wait_healthy(url + "/health", max(deadline - time.monotonic(), 0.0), dead=dead)
+            except TimeoutError:
+                raise TimeoutError(f"rollout server {url} not healthy after {timeout_s:.0f}s") from None
 
     def alive(self) -> list[bool]:
         return [p.poll() is None for p in self.processes]

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
-
 from training_core.config import RunSpec, dump_spec, spec_from_dict
+from training_core.http import WebClient
 from training_core.rewards.registry import USER_REWARD, USER_REWARD_PACKAGE
 
 
@@ -19,16 +18,9 @@ def prepare_remote_run(tracker_url: str, token: str, run_dir: str | Path, *,
                        timeout_s: float = 60.0) -> tuple[RunSpec, Path]:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    headers = {"Authorization": f"Bearer {token}"}
-    with httpx.Client(base_url=tracker_url.rstrip("/"), headers=headers, timeout=timeout_s) as http:
-        info = http.get("/api/ingest/run/")
-        info.raise_for_status()
-        info = info.json()
-        with http.stream("GET", "/api/ingest/dataset/") as resp:
-            resp.raise_for_status()
-            with (run_dir / "dataset.jsonl").open("wb") as fh:
-                for chunk in resp.iter_bytes():
-                    fh.write(chunk)
+    with WebClient.for_run(tracker_url, token, timeout_s=timeout_s) as web:
+        info = web.get_json("/api/ingest/run/")
+        web.download("/api/ingest/dataset/", run_dir / "dataset.jsonl")
     spec = dict(info["spec"])
     spec["run_dir"] = str(run_dir)
     spec["data"] = {**spec.get("data", {}), "source": f"jsonl:{run_dir / 'dataset.jsonl'}"}

@@ -17,6 +17,7 @@ import yaml
 from tqdm import tqdm
 
 from training_core.config import _deep_merge, parse_overrides
+from training_core.http import WebClient
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
@@ -30,8 +31,7 @@ def _client(args: argparse.Namespace) -> httpx.Client:
     token = args.token or os.environ.get("OOLONG_TOKEN")
     if not token:
         raise ApiError("no API token: pass --token or set OOLONG_TOKEN")
-    return httpx.Client(base_url=url.rstrip("/"), headers={"Authorization": f"Token {token}"},
-                        timeout=60)
+    return WebClient.for_user(url, token, timeout_s=60).http
 
 
 def _check(resp: httpx.Response) -> Any:

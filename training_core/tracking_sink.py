@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from training_core.http import ServerError, WebClient
+
 log = logging.getLogger(__name__)
 
 
@@ -31,8 +33,7 @@ class HttpSink:
                  close_timeout_s: float = 30.0, timeout_s: float = 10.0):
         if not base_url or not token:
             raise ValueError("the http metrics sink needs metrics.tracker_url and metrics.tracker_token")
-        self.base = base_url.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {token}"}
+        self.web = WebClient.for_run(base_url, token, timeout_s=timeout_s)
         self.spool_dir = Path(spool_dir)
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         self.spool = self.spool_dir / "pending.jsonl"
@@ -40,7 +41,6 @@ class HttpSink:
         self.flush_interval_s = flush_interval_s
         self.batch_size = batch_size
         self.close_timeout_s = close_timeout_s
-        self._client = httpx.Client(timeout=timeout_s)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -86,7 +86,7 @@ class HttpSink:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=5)
-        self._client.close()
+        self.web.close()
         if left := self.pending():
             log.warning("tracker unreachable: %d records kept in %s for later delivery",
                         left, self.spool)
@@ -124,12 +124,14 @@ class HttpSink:
         return self.spool.exists() and self.spool.stat().st_size > self._offset()
 
     def _post(self, path: str, payload: dict[str, Any]) -> None:
-        resp = self._client.post(self.base + path, json=payload, headers=self.headers)
-        if resp.status_code >= 500:
-            raise httpx.HTTPStatusError(f"{resp.status_code}", request=resp.request, response=resp)
-        if resp.status_code >= 400:
-            # A client error will not heal by retrying: record it and move on.
-            log.error("tracker rejected %s: %s %s", path, resp.status_code, resp.text[:300])
+        # One try: the delivery loop below is the retry (the records wait in the spool, for as
+        # long as it takes). A 4xx will not heal by retrying: record it and move on.
+        try:
+            self.web.request("POST", path, json=payload, retry=False)
+        except ServerError:
+            raise
+        except httpx.HTTPStatusError as exc:
+            log.error("tracker rejected %s: %s", path, exc)
 
     def _deliver(self, records: list[dict[str, Any]]) -> None:
         points = [p for r in records if r["type"] == "metrics" for p in r["points"]]

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from training_core.algorithms.loss import decoupled_ppo_loss
 from training_core.algorithms.presets import AlgorithmConfig, resolve_algorithm
-from training_core.api import GenerationRequest, MetricsSink, SamplingParams, TrainBatch
+from training_core.api import MetricsSink, SamplingParams, TrainBatch
 from training_core.batching import build_train_batch
 from training_core.checkpoint import (
     checkpoint_dir,
@@ -44,6 +44,7 @@ from training_core.config import RunSpec, dump_spec
 from training_core.data.datasets import PromptLoader, load_data
 from training_core.engines.deepspeed_trainer import DeepSpeedTrainer, rank_and_world
 from training_core.engines.rollout_client import RolloutClient
+from training_core.evaluation import evaluate
 from training_core.launch import Fleet, start_embedded_fleet
 from training_core.metrics import BATCH_LOG, JsonlSink, MultiSink, truncate_metrics
 from training_core.models.loading import load_tokenizer, run_model_dir
@@ -94,22 +95,6 @@ def seed_everything(seed: int) -> None:
 
 def default_run_dir(spec: RunSpec) -> Path:
     return Path(spec.run_dir or Path("runs") / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-
-
-async def evaluate(client: RolloutClient, ctx: WorkflowContext, rows: list[dict[str, Any]],
-                   max_new_tokens: int) -> dict[str, float]:
-    """Greedy accuracy on held-out rows, through the same servers (runs beside training)."""
-    if not rows:
-        return {}
-    greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
-
-    async def one(item: dict[str, Any]) -> float:
-        resp = await client.agenerate(GenerationRequest(ctx.render_prompt(item), greedy))
-        return (await ctx.rewards.score(ctx.decode(resp.output_ids), item)).reward
-
-    rewards = await asyncio.gather(*[one(r) for r in rows])
-    return {"eval/accuracy": sum(r >= 1.0 - 1e-6 for r in rewards) / len(rewards),
-            "eval/reward": sum(rewards) / len(rewards)}
 
 
 def make_sinks(spec: RunSpec, run_dir: Path) -> MetricsSink:

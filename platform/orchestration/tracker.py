@@ -4,52 +4,33 @@ run's ingest token. Retries for a while, so a web app restart does not fail a ru
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from typing import Any
 
 import httpx
+
+from training_core.http import WebClient
 
 log = logging.getLogger(__name__)
 
 
 class Tracker:
     def __init__(self, base_url: str, token: str, *, retry_window_s: float = 60.0):
-        self.base = base_url.rstrip("/")
-        self.http = httpx.Client(base_url=self.base, timeout=30,
-                                 headers={"Authorization": f"Bearer {token}"})
-        self.retry_window_s = retry_window_s
-
-    def _call(self, method: str, path: str, **kw) -> Any:
-        deadline = time.monotonic() + self.retry_window_s
-        delay = 0.5
-        while True:
-            try:
-                resp = self.http.request(method, path, **kw)
-                if resp.status_code < 500:
-                    resp.raise_for_status()
-                    return resp.json()
-                err: Exception = httpx.HTTPStatusError(str(resp.status_code), request=resp.request,
-                                                       response=resp)
-            except httpx.TransportError as exc:
-                err = exc
-            if time.monotonic() > deadline:
-                raise err
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+        self.web = WebClient.for_run(base_url, token, retry_window_s=retry_window_s)
+        self.base = self.web.base
 
     def run_info(self) -> dict[str, Any]:
-        return self._call("GET", "/api/ingest/run/")
+        return self.web.get_json("/api/ingest/run/")
 
     def status(self, status: str, reason: str = "") -> dict[str, Any]:
-        return self._call("POST", "/api/ingest/status/", json={"status": status, "reason": reason[:2000]})
+        return self.web.post_json("/api/ingest/status/", {"status": status, "reason": reason[:2000]})
 
     def event(self, kind: str, message: str, **data: Any) -> None:
         try:
-            self._call("POST", "/api/ingest/events/", json={"events": [{
+            self.web.post_json("/api/ingest/events/", {"events": [{
                 "kind": kind, "message": message[:4000], "data": data, "dedup_key": uuid.uuid4().hex}]})
         except httpx.HTTPError as exc:  # an event is not worth failing a run for
             log.warning("could not record event %s: %s", kind, exc)
 
     def close(self) -> None:
-        self.http.close()
+        self.web.close()

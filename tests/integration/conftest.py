@@ -51,6 +51,19 @@ def wait_for(predicate, timeout_s: float, what: str, interval: float = 0.5):
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
+def _use_broker(app, url: str, backend: str) -> None:
+    """Unit tests enqueue into the in-memory broker (test settings); drop the connections cached
+    for it so the web side's sends reach Redis, where the real worker listens (and back)."""
+    app.conf.broker_url = url
+    app.conf.result_backend = backend
+    app.conf.task_always_eager = False
+    if app._pool is not None:
+        app._pool.force_close_all()
+        app._pool = None
+    app.amqp._producer_pool = None
+    vars(app._local).pop("backend", None)
+
+
 @pytest.fixture
 def stack(live_server, settings, tmp_path, transactional_db):
     """Point the web app at Celery on Redis and start a real worker against the test database."""
@@ -64,10 +77,8 @@ def stack(live_server, settings, tmp_path, transactional_db):
 
     # The worker uses the same Redis as the web side (CELERY_BROKER_URL under `make test`).
     broker = app.conf.broker_url if str(app.conf.broker_url).startswith("redis://") else REDIS
-    app.conf.broker_url = broker
-    app.conf.result_backend = broker
-    app.conf.task_always_eager = False
-    settings.OOLONG_RUN_SUBMISSION = "celery"
+    memory = (app.conf.broker_url, app.conf.result_backend)
+    _use_broker(app, broker, broker)
     settings.OOLONG_PUBLIC_URL = proxy.url
     db = connection.settings_dict
     runs_dir = tmp_path / "runs"
@@ -93,6 +104,7 @@ def stack(live_server, settings, tmp_path, transactional_db):
            "tf_log": tmp_path / "tf-calls.jsonl", "runs_dir": runs_dir, "worker": worker,
            "worker_log": log, "env": env}
     proxy.down()
+    _use_broker(app, *memory)
     os.killpg(worker.pid, signal.SIGTERM)
     try:
         worker.wait(timeout=20)

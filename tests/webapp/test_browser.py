@@ -147,3 +147,4 @@ def test_reward_editor_refuses_bad_code_and_saves_good_code(page, live_server, a
     assert "pending" in page.content()
     page.screenshot(path=str(ARTIFACTS / "reward-editor.png"), full_page=True)
     assert RewardFunction.objects.get().versions.get().source.startswith("def reward")
+

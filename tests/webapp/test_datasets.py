@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.webapp.conftest import QA_ROWS, jsonl
-from webapp.api.errors import ApplicationError
+from webapp.core.errors import ApplicationError
 from webapp.datasets.models import Dataset, DatasetVersion
 from webapp.datasets.services import dataset_create_builtin, dataset_upload
 

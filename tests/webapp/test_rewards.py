@@ -1,6 +1,6 @@
 import pytest
 
-from webapp.api.errors import ApplicationError
+from webapp.core.errors import ApplicationError
 from webapp.rewards.models import RewardFunction, RewardFunctionVersion
 from webapp.rewards.services import reward_function_create, reward_validation_record
 

@@ -1,6 +1,6 @@
 import pytest
 
-from webapp.api.errors import ApplicationError
+from webapp.core.errors import ApplicationError
 from webapp.runs.models import Run
 from webapp.runs.selectors import run_config_diff
 from webapp.runs.services import run_cancel, run_create, run_status_set

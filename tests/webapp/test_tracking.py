@@ -24,7 +24,7 @@ def test_ingest_is_idempotent_and_tracks_latest(run):
 
 
 def test_nan_points_are_skipped_and_bad_points_named(run):
-    from webapp.api.errors import ApplicationError
+    from webapp.core.errors import ApplicationError
 
     assert metrics_ingest(run=run, points=[{"key": "loss", "step": 1, "value": float("nan")}]) == 0
     with pytest.raises(ApplicationError) as err:

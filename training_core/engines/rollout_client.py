@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from training_core.api import GenerationRequest, GenerationResponse
+from training_core.http import aretrying
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ class RolloutClient:
         # Plain attributes: written by the trainer's control loop, read by the executor's loop.
         self._pauses = 0
         self._paused = False
+        # Interrupted samples wait for the resume on their own event loop: resume() wakes them.
+        self._resume_events: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
 
     # ---- version ----------------------------------------------------------------------------
 
@@ -145,33 +148,41 @@ class RolloutClient:
         return resp.json()
 
     async def _generate_once(self, payload: dict, weight: int = 1) -> dict | list:
-        """POST /generate, retrying connection errors and 5xx on the least-loaded healthy server
-        until ``retry_window_s`` has passed (a restarted server comes back within it). A 4xx is
-        the request's fault and is never retried."""
-        deadline = time.monotonic() + self.retry_window_s
-        attempt = 0
-        while True:
-            server = self._pick()
-            server.in_flight += weight
-            try:
-                return await self._post(server, "/generate", payload)
-            except RolloutServerError as exc:
-                if exc.status is not None and 400 <= exc.status < 500:
-                    raise RequestRejected(str(exc)) from None
-                error: Exception = exc
-            except httpx.TransportError as exc:
-                error = exc
-            finally:
-                server.in_flight -= weight
-            server.failures += 1
-            server.down_until = time.monotonic() + self.cooldown_s
-            attempt += 1
-            if attempt > self.retries and time.monotonic() > deadline:
-                raise RolloutServerError(
-                    f"servers unreachable: generation failed after {attempt} attempts over "
-                    f"{self.retry_window_s:.0f}s: {error}") from error
-            log.warning("generate on %s failed (attempt %d): %s", server.url, attempt, error)
-            await asyncio.sleep(min(0.2 * 2**attempt, 2.0))
+        """POST /generate on the least-loaded healthy server; connection errors and 5xx move to
+        another server and retry (the shared policy, training_core.http) until ``retries``
+        attempts and ``retry_window_s`` are both spent (a restarted server comes back within
+        it). A 4xx is the request's fault and is never retried."""
+        try:
+            async for attempt in aretrying(self.retry_window_s, min_attempts=self.retries + 1,
+                                           max_delay_s=2.0,
+                                           retry_on=(httpx.TransportError, RolloutServerError)):
+                with attempt:
+                    return await self._generate_on(self._pick(), payload, weight)
+        except (httpx.TransportError, RolloutServerError) as exc:
+            raise RolloutServerError(
+                f"servers unreachable: generation failed after {self.retries + 1}+ attempts over "
+                f"{self.retry_window_s:.0f}s: {exc}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover - tenacity re-raises
+
+    async def _generate_on(self, server: _Server, payload: dict, weight: int) -> dict | list:
+        server.in_flight += weight
+        try:
+            return await self._post(server, "/generate", payload)
+        except RolloutServerError as exc:
+            if exc.status is not None and 400 <= exc.status < 500:
+                raise RequestRejected(str(exc)) from None
+            self._mark_down(server, exc)
+            raise
+        except httpx.TransportError as exc:
+            self._mark_down(server, exc)
+            raise
+        finally:
+            server.in_flight -= weight
+
+    def _mark_down(self, server: _Server, exc: Exception) -> None:
+        server.failures += 1
+        server.down_until = time.monotonic() + self.cooldown_s
+        log.warning("generate on %s failed (%d failures): %s", server.url, server.failures, exc)
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -201,11 +212,19 @@ class RolloutClient:
 
     async def _until_unpaused(self) -> None:
         # Re-submitting while the servers are paused would only queue (SGLang) or abort again:
-        # wait for continue_generation, backing off.
-        delay = 0.005
+        # wait for continue_generation (resume() sets the event; the timeout is a safety net).
+        if not self._paused:
+            return
+        loop = asyncio.get_running_loop()
+        _, resumed = self._resume_events.setdefault(id(loop), (loop, asyncio.Event()))
         while self._paused:
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.2)
+            resumed.clear()
+            if not self._paused:
+                break
+            try:
+                await asyncio.wait_for(resumed.wait(), timeout=0.2)
+            except TimeoutError:
+                pass
 
     def _payload(self, request: GenerationRequest, states: list[_Partial]) -> dict:
         # SGLang's batch form: a list of input_ids and one sampling_params per sample, so
@@ -252,17 +271,15 @@ class RolloutClient:
 
     async def _post_retrying(self, server: _Server, path: str, payload: dict | None) -> Any:
         """Control calls must reach every server: a restarting one is waited for (retry window)."""
-        deadline = time.monotonic() + self.retry_window_s
-        delay = 0.2
-        while True:
-            try:
-                return await self._post(server, path, payload)
-            except httpx.TransportError as exc:
-                if time.monotonic() > deadline:
-                    raise RolloutServerError(f"{server.url}{path} unreachable for "
-                                             f"{self.retry_window_s:.0f}s: {exc}") from exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        try:
+            async for attempt in aretrying(self.retry_window_s, max_delay_s=2.0,
+                                           retry_on=(httpx.TransportError,)):
+                with attempt:
+                    return await self._post(server, path, payload)
+        except httpx.TransportError as exc:
+            raise RolloutServerError(f"{server.url}{path} unreachable for "
+                                     f"{self.retry_window_s:.0f}s: {exc}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover - tenacity re-raises
 
     async def _all(self, path: str, payload: dict | None = None) -> list[dict]:
         return await asyncio.gather(*[self._post_retrying(s, path, payload) for s in self.servers])
@@ -276,6 +293,9 @@ class RolloutClient:
     async def resume(self) -> None:
         await self._all("/continue_generation")
         self._paused = False
+        for loop, resumed in list(self._resume_events.values()):
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(resumed.set)
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         results = await self._all("/update_weights_from_disk",

@@ -32,15 +32,22 @@ class WorkflowContext:
     turn_discount: float = 0.9
 
     def render_prompt(self, item: dict[str, Any]) -> list[int]:
-        text = prompt_template_text(self.prompt_template).format(**item)
-        if self.chat_template:
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-                return_dict=False))
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return render_prompt(self.tokenizer, item, self.prompt_template, self.chat_template)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def render_prompt(tokenizer: Any, item: dict[str, Any], template: str,
+                  chat_template: bool) -> list[int]:
+    """Prompt token ids for a dataset row: ``data.prompt_template`` (or a named one) filled with
+    the row, wrapped in the model's chat template when ``data.chat_template`` is on."""
+    text = prompt_template_text(template).format(**item)
+    if chat_template:
+        return list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+            return_dict=False))
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def single_turn_trajectory(resp: GenerationResponse, reward: float, **info: Any) -> Trajectory:

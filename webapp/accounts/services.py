@@ -6,7 +6,7 @@ from django.utils.text import slugify
 from rest_framework.authtoken.models import Token
 
 from webapp.accounts.models import Membership, Project
-from webapp.api.errors import ApplicationError
+from webapp.core.errors import ApplicationError
 
 
 @transaction.atomic

@@ -1,4 +1,6 @@
-"""Errors as JSON with the field and the reason: {"errors": [{"field": ..., "message": ...}]}."""
+"""Errors as JSON with the field and the reason: {"errors": [{"field": ..., "message": ...}]}.
+
+Services raise :class:`webapp.core.errors.ApplicationError`; this handler renders it."""
 
 from __future__ import annotations
 
@@ -11,16 +13,7 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-
-class ApplicationError(Exception):
-    """Raised by services for bad input. ``errors`` is a list of {field, message, ...}."""
-
-    def __init__(self, message: str, *, field: str | None = None,
-                 errors: list[dict[str, Any]] | None = None, status_code: int = 400):
-        super().__init__(message)
-        self.message = message
-        self.errors = errors or [{"field": field, "message": message}]
-        self.status_code = status_code
+from webapp.core.errors import ApplicationError
 
 
 def _flatten(detail: Any, prefix: str = "") -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-# Load the Celery app with Django so that tasks fired by the web app use its broker settings.
-from workers.celery_app import app as celery_app
+# Load the Celery app with Django so that tasks enqueued by the web app use its broker settings.
+from webapp.config.celery import app as celery_app
 
 __all__ = ["celery_app"]

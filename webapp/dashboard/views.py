@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from django import forms
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
@@ -12,14 +13,38 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from webapp.accounts.selectors import project_get_for_user, project_list
-from webapp.api.errors import ApplicationError
-from webapp.datasets.selectors import dataset_get, dataset_list, dataset_version_get
+from webapp.core.errors import ApplicationError
+from webapp.dashboard.forms import (
+    DatasetUploadForm,
+    RewardCreateForm,
+    RunCompareForm,
+    RunListFilterForm,
+    RunNewForm,
+    form_errors,
+)
+from webapp.datasets.selectors import (
+    dataset_get,
+    dataset_list,
+    dataset_version_get,
+    dataset_version_list,
+)
 from webapp.datasets.services import dataset_upload
-from webapp.rewards.selectors import reward_function_get, reward_function_list, reward_version_get
+from webapp.rewards.selectors import (
+    reward_function_get,
+    reward_function_list,
+    reward_version_get,
+    reward_version_list,
+)
+from webapp.rewards.services import builtin_names, reward_function_create
 from webapp.runs.models import Run
-from webapp.runs.selectors import run_config_diff, run_get, run_list
+from webapp.runs.selectors import run_config_diff, run_event_recent, run_get, run_list
 from webapp.runs.services import run_cancel, run_create
-from webapp.tracking.selectors import latest_metrics, latest_metrics_for_runs, trajectory_steps
+from webapp.tracking.selectors import (
+    checkpoint_list,
+    latest_metrics,
+    latest_metrics_for_runs,
+    trajectory_steps,
+)
 
 CHARTS = [
     ("Reward and accuracy", ["reward/mean", "reward/accuracy", "eval/accuracy"]),
@@ -40,11 +65,11 @@ LIST_KEYS = ["reward/mean", "eval/accuracy", "staleness/mean", "tokens_per_s"]
 
 @login_required
 def run_list_view(request: HttpRequest) -> HttpResponse:
-    status = request.GET.get("status") or None
-    search = request.GET.get("q") or None
-    project = request.GET.get("project", "")
+    form = RunListFilterForm(request.GET)
+    filters = form.cleaned_data if form.is_valid() else {}  # a bad filter shows everything
+    status, search = filters.get("status") or None, filters.get("q") or None
     runs = list(run_list(user=request.user, status=status, search=search,
-                         project_id=int(project) if project.isdigit() else None)[:200])
+                         project_id=filters.get("project"))[:200])
     latest = latest_metrics_for_runs(runs=runs, keys=LIST_KEYS)
     rows = [{"run": r, "metrics": [latest[r.id].get(k) for k in LIST_KEYS]} for r in runs]
     return render(request, "dashboard/run_list.html", {
@@ -57,9 +82,9 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     run = run_get(user=request.user, run_id=run_id)
     return render(request, "dashboard/run_detail.html", {
         "run": run, "charts": CHARTS, "charts_json": json.dumps(CHARTS),
-        "latest": sorted(latest_metrics(run=run).items()), "events": run.events.order_by("-id")[:100],
+        "latest": sorted(latest_metrics(run=run).items()), "events": run_event_recent(run=run),
         "live": run.status not in Run.TERMINAL, "steps": trajectory_steps(run=run),
-        "checkpoints": run.checkpoints.order_by("-step")[:20],
+        "checkpoints": checkpoint_list(run=run),
         "spec_json": json.dumps(run.spec, indent=2)})
 
 
@@ -76,10 +101,16 @@ def run_cancel_view(request: HttpRequest, run_id: int) -> HttpResponse:
 
 @login_required
 def run_compare(request: HttpRequest) -> HttpResponse:
-    ids = [int(x) for x in request.GET.getlist("ids") if x.isdigit()]
-    ids += [int(x) for x in request.GET.get("id_list", "").split(",") if x.strip().isdigit()]
-    runs = [run_get(user=request.user, run_id=i) for i in dict.fromkeys(ids)]
-    return render(request, "dashboard/compare.html", {
+    form = RunCompareForm(request.GET)
+    errors: list[dict] = []
+    ids: list[int] = []
+    if form.is_valid():
+        try:
+            ids = form.run_ids(request.GET.getlist("ids"))
+        except forms.ValidationError as exc:
+            errors = [{"field": "ids", "message": exc.messages[0]}]
+    runs = [run_get(user=request.user, run_id=i) for i in ids]
+    return render(request, "dashboard/compare.html", {"errors": errors,
         "runs": runs, "diff": run_config_diff(runs=runs) if len(runs) >= 2 else [],
         "charts": CHARTS[:6], "charts_json": json.dumps(CHARTS[:6]),
         "run_ids_json": json.dumps([r.id for r in runs]),
@@ -88,42 +119,44 @@ def run_compare(request: HttpRequest) -> HttpResponse:
 
 @login_required
 def run_new(request: HttpRequest) -> HttpResponse:
-    projects = project_list(user=request.user)
-    ctx = {"projects": projects, "datasets": dataset_list(user=request.user).prefetch_related("versions"),
+    ctx = {"projects": project_list(user=request.user), "datasets": dataset_list(user=request.user),
            "rewards": reward_function_list(user=request.user), "errors": [],
            "spec_text": request.POST.get("spec", "trainer:\n  steps: 20\n")}
     if request.method == "POST":
-        import yaml
-
+        form = RunNewForm(request.POST)
+        if not form.is_valid():
+            ctx["errors"] = form_errors(form)
+            return render(request, "dashboard/run_new.html", ctx)
+        data = form.cleaned_data
         try:
-            project = project_get_for_user(user=request.user, project_id=int(request.POST["project"]))
-            spec = yaml.safe_load(request.POST.get("spec") or "{}") or {}
             run = run_create(
-                project=project, user=request.user, name=request.POST.get("name", "").strip() or "run",
-                dataset_version=dataset_version_get(user=request.user, version_id=int(request.POST["dataset_version"])),
-                reward_version=reward_version_get(user=request.user, version_id=int(request.POST["reward_version"])),
-                spec=spec)
+                project=project_get_for_user(user=request.user, project_id=data["project"]),
+                user=request.user, name=data["name"].strip() or "run",
+                dataset_version=dataset_version_get(user=request.user,
+                                                    version_id=data["dataset_version"]),
+                reward_version=reward_version_get(user=request.user,
+                                                  version_id=data["reward_version"]),
+                spec=data["spec"])
             return redirect("run-detail", run_id=run.id)
         except ApplicationError as exc:
             ctx["errors"] = exc.errors
-        except (KeyError, ValueError, yaml.YAMLError) as exc:
-            ctx["errors"] = [{"field": "form", "message": f"missing or invalid input: {exc}"}]
     return render(request, "dashboard/run_new.html", ctx)
 
 
 @login_required
 def dataset_list_view(request: HttpRequest) -> HttpResponse:
-    ctx = {"datasets": dataset_list(user=request.user).select_related("project"),
+    ctx = {"datasets": dataset_list(user=request.user),
            "projects": project_list(user=request.user), "errors": []}
     if request.method == "POST":
-        upload = request.FILES.get("file")
+        form = DatasetUploadForm(request.POST, request.FILES)
+        if not form.is_valid():
+            ctx["errors"] = form_errors(form)
+            return render(request, "dashboard/dataset_list.html", ctx)
+        data, upload = form.cleaned_data, form.cleaned_data["file"]
         try:
-            if upload is None:
-                raise ApplicationError("choose a file to upload", field="file")
-            project = project_get_for_user(user=request.user, project_id=int(request.POST["project"]))
-            version = dataset_upload(project=project, user=request.user,
-                                     name=request.POST.get("name", "").strip(),
-                                     task=request.POST.get("task", "qa"), filename=upload.name,
+            project = project_get_for_user(user=request.user, project_id=data["project"])
+            version = dataset_upload(project=project, user=request.user, name=data["name"].strip(),
+                                     task=data["task"] or "qa", filename=upload.name,
                                      data=upload.read())
             messages.success(request, f"stored {version} ({version.row_count} rows)")
             return redirect("dataset-detail", dataset_id=version.dataset_id)
@@ -135,7 +168,7 @@ def dataset_list_view(request: HttpRequest) -> HttpResponse:
 @login_required
 def dataset_detail(request: HttpRequest, dataset_id: int) -> HttpResponse:
     dataset = dataset_get(user=request.user, dataset_id=dataset_id)
-    versions = list(dataset.versions.all())
+    versions = dataset_version_list(dataset=dataset)
     return render(request, "dashboard/dataset_detail.html", {"dataset": dataset, "versions": versions,
                                                               "latest": versions[0] if versions else None})
 
@@ -150,32 +183,34 @@ REWARD_TEMPLATE = (
 @login_required
 def reward_list_view(request: HttpRequest) -> HttpResponse:
     """List, plus a browser editor (or a file upload) for user reward code."""
-    from webapp.rewards.services import builtin_names, reward_function_create
-
-    ctx = {"rewards": reward_function_list(user=request.user).select_related("project"),
+    ctx = {"rewards": reward_function_list(user=request.user),
            "projects": project_list(user=request.user), "builtins": builtin_names(), "errors": [],
            "source": request.POST.get("source") or REWARD_TEMPLATE}
     if request.method == "POST":
-        upload = request.FILES.get("file")
-        source = upload.read().decode("utf-8", errors="replace") if upload else request.POST.get("source", "")
-        builtin = request.POST.get("builtin") or None
+        form = RewardCreateForm(request.POST, request.FILES)
+        if not form.is_valid():
+            ctx["errors"] = form_errors(form)
+            return render(request, "dashboard/reward_list.html", ctx)
+        data = form.cleaned_data
+        upload = data["file"]
+        source = upload.read().decode("utf-8", errors="replace") if upload else data["source"]
+        builtin = data["builtin"] or None
         try:
-            project = project_get_for_user(user=request.user, project_id=int(request.POST["project"]))
+            project = project_get_for_user(user=request.user, project_id=data["project"])
             version = reward_function_create(
-                project=project, user=request.user, name=request.POST.get("name", "").strip(),
-                builtin=builtin, source=None if builtin else source,
-                entrypoint=request.POST.get("entrypoint", "reward").strip() or "reward")
+                project=project, user=request.user, name=data["name"].strip(), builtin=builtin,
+                source=None if builtin else source,
+                entrypoint=data["entrypoint"].strip() or "reward")
             messages.success(request, f"saved v{version.version} ({version.status}); "
                                       "a worker validates user code in its sandbox")
             return redirect("reward-detail", reward_id=version.reward_function_id)
         except ApplicationError as exc:
             ctx["errors"], ctx["source"] = exc.errors, source
-        except (KeyError, ValueError) as exc:
-            ctx["errors"] = [{"field": "form", "message": f"missing or invalid input: {exc}"}]
     return render(request, "dashboard/reward_list.html", ctx)
 
 
 @login_required
 def reward_detail(request: HttpRequest, reward_id: int) -> HttpResponse:
     rf = reward_function_get(user=request.user, reward_id=reward_id)
-    return render(request, "dashboard/reward_detail.html", {"reward": rf, "versions": rf.versions.all()})
+    return render(request, "dashboard/reward_detail.html",
+                  {"reward": rf, "versions": reward_version_list(reward_function=rf)})

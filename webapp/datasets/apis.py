@@ -4,10 +4,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from webapp.accounts.selectors import project_get_for_user
-from webapp.api.params import int_param
+from webapp.core.params import int_param
+from webapp.datasets.builtins import BUILTINS
 from webapp.datasets.models import Dataset
 from webapp.datasets.selectors import dataset_get, dataset_list, dataset_version_get
-from webapp.datasets.services import BUILTINS, dataset_create_builtin, dataset_upload
+from webapp.datasets.services import dataset_create_builtin, dataset_upload
 
 
 class DatasetVersionOutput(serializers.Serializer):

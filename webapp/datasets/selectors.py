@@ -6,11 +6,13 @@ from pathlib import Path
 from django.db.models import Count, Max, QuerySet
 from django.http import Http404
 
+from webapp.datasets.builtins import BUILTIN_PROMPT_TEMPLATES
 from webapp.datasets.models import Dataset, DatasetVersion
 
 
 def dataset_list(*, user, project_id: int | None = None) -> QuerySet[Dataset]:
-    qs = Dataset.objects.filter(project__membership__user=user)
+    qs = (Dataset.objects.filter(project__membership__user=user)
+          .select_related("project").prefetch_related("versions"))
     if project_id is not None:
         qs = qs.filter(project_id=project_id)
     return qs.annotate(version_count=Count("versions"), latest_version=Max("versions__version"))
@@ -31,6 +33,11 @@ def dataset_version_get(*, user, version_id: int) -> DatasetVersion:
         raise Http404("dataset version not found") from None
 
 
+def dataset_version_list(*, dataset: Dataset) -> list[DatasetVersion]:
+    """Newest first."""
+    return list(dataset.versions.order_by("-version"))
+
+
 def dataset_version_rows(*, version: DatasetVersion, limit: int | None = None) -> list[dict]:
     rows = []
     with Path(version.rows_path).open(encoding="utf-8") as fh:
@@ -43,7 +50,5 @@ def dataset_version_rows(*, version: DatasetVersion, limit: int | None = None) -
 
 def dataset_version_prompt_template(*, version: DatasetVersion) -> str | None:
     """The prompt template a built-in dataset ships with; None for uploads."""
-    from webapp.datasets.services import BUILTIN_PROMPT_TEMPLATES
-
     kind, _, name = version.source.partition(":")
     return BUILTIN_PROMPT_TEMPLATES.get(name) if kind == "builtin" else None

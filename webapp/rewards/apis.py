@@ -3,7 +3,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from webapp.accounts.selectors import project_get_for_user
-from webapp.api.params import int_param
+from webapp.core.params import int_param
 from webapp.rewards.selectors import reward_function_get, reward_function_list
 from webapp.rewards.services import reward_function_create
 

@@ -7,7 +7,8 @@ from webapp.rewards.models import RewardFunction, RewardFunctionVersion
 
 
 def reward_function_list(*, user, project_id: int | None = None) -> QuerySet[RewardFunction]:
-    qs = RewardFunction.objects.filter(project__membership__user=user).prefetch_related("versions")
+    qs = (RewardFunction.objects.filter(project__membership__user=user)
+          .select_related("project").prefetch_related("versions"))
     return qs.filter(project_id=project_id) if project_id is not None else qs
 
 
@@ -16,6 +17,10 @@ def reward_function_get(*, user, reward_id: int) -> RewardFunction:
         return reward_function_list(user=user).get(id=reward_id)
     except RewardFunction.DoesNotExist:
         raise Http404("reward function not found") from None
+
+
+def reward_version_list(*, reward_function: RewardFunction) -> list[RewardFunctionVersion]:
+    return list(reward_function.versions.all())
 
 
 def reward_version_get(*, user, version_id: int) -> RewardFunctionVersion:

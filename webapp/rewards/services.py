@@ -6,7 +6,8 @@ import hashlib
 from django.db import transaction
 
 from webapp.accounts.models import Project
-from webapp.api.errors import ApplicationError
+from webapp.config.celery import enqueue
+from webapp.core.errors import ApplicationError
 from webapp.rewards.models import RewardFunction, RewardFunctionVersion
 
 MAX_SOURCE_BYTES = 200_000
@@ -71,18 +72,8 @@ def reward_version_create(*, reward_function: RewardFunction, user, builtin: str
         status=RewardFunctionVersion.Status.VALID if builtin else RewardFunctionVersion.Status.PENDING,
         created_by=user)
     if not builtin:
-        transaction.on_commit(lambda: reward_validation_enqueue(version_id=version.id))
+        transaction.on_commit(lambda: enqueue("oolong.reward_validate", version.id))
     return version
-
-
-def reward_validation_enqueue(*, version_id: int) -> None:
-    from django.conf import settings
-
-    if settings.OOLONG_RUN_SUBMISSION == "none":
-        return
-    from workers.tasks import reward_validate
-
-    reward_validate.delay(version_id)
 
 
 def reward_validation_record(*, version: RewardFunctionVersion, report: dict) -> RewardFunctionVersion:

@@ -28,7 +28,7 @@ def _sample_rows(version: RewardFunctionVersion) -> list[dict[str, Any]]:
 
 
 def reward_version_validate(*, version_id: int) -> dict[str, Any]:
-    from workers.sandbox import run_sandboxed
+    from training_core.sandbox import run_sandboxed
 
     version = RewardFunctionVersion.objects.select_related("reward_function__project").get(id=version_id)
     if version.status != RewardFunctionVersion.Status.PENDING:
@@ -49,7 +49,7 @@ def reward_score_remote(*, fn_path: str, source: str, completion: str, item: dic
             return {"reward": float(resolve_reward(fn_path)(completion, item))}
         except Exception as exc:  # noqa: BLE001 - a failed reward scores 0 upstream
             return {"reward": 0.0, "error": f"{type(exc).__name__}: {exc}"}
-    from workers.sandbox import run_sandboxed
+    from training_core.sandbox import run_sandboxed
 
     entrypoint = fn_path.rsplit(":", 1)[-1]
     report = run_sandboxed(source, entrypoint, [{**item, "completion": completion}])

@@ -5,7 +5,7 @@ from typing import Any
 from django.db.models import QuerySet
 from django.http import Http404
 
-from webapp.runs.models import Run
+from webapp.runs.models import Run, RunEvent
 
 
 def run_list(*, user, project_id: int | None = None, status: str | None = None,
@@ -26,6 +26,16 @@ def run_get(*, user, run_id: int) -> Run:
         return run_list(user=user).get(id=run_id)
     except Run.DoesNotExist:
         raise Http404("run not found") from None
+
+
+def run_event_list(*, run: Run, after: int = 0, limit: int = 500) -> QuerySet[RunEvent]:
+    """The run's events after event id ``after``, oldest first (the live event log polls this)."""
+    return run.events.filter(id__gt=after).order_by("id")[:limit]
+
+
+def run_event_recent(*, run: Run, limit: int = 100) -> list[RunEvent]:
+    """The newest events first (the run page's event log)."""
+    return list(run.events.order_by("-id")[:limit])
 
 
 def run_get_by_ingest_token(*, token: str) -> Run | None:

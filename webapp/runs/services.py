@@ -7,7 +7,8 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from webapp.accounts.models import Project
-from webapp.api.errors import ApplicationError
+from webapp.core.errors import ApplicationError
+from webapp.config.celery import enqueue
 from webapp.datasets.models import DatasetVersion
 from webapp.datasets.selectors import dataset_version_prompt_template
 from webapp.rewards.models import RewardFunctionVersion
@@ -51,16 +52,8 @@ def run_create(*, project: Project, user, name: str, dataset_version: DatasetVer
     run = Run.objects.create(project=project, name=name, dataset_version=dataset_version,
                              reward_version=reward_version, spec=resolved, created_by=user)
     run_event_add(run=run, kind="created", message=f"run created by {user}")
-    transaction.on_commit(lambda: run_submit_enqueue(run_id=run.id))
+    transaction.on_commit(lambda: enqueue("oolong.run_submit", run.id))
     return run
-
-
-def run_submit_enqueue(*, run_id: int) -> None:
-    if settings.OOLONG_RUN_SUBMISSION == "none":
-        return
-    from workers.tasks import run_submit
-
-    run_submit.delay(run_id)
 
 
 def run_event_add(*, run: Run, kind: str, message: str, data: dict | None = None,
@@ -106,16 +99,8 @@ def run_cancel(*, run: Run, user) -> Run:
     run_event_add(run=run, kind="cancel_requested", message=f"cancel requested by {user}")
     if run.status == Run.Status.QUEUED and not run.orchestrator_ref:
         return run_status_set(run=run, status=Run.Status.CANCELLED, reason="cancelled before start")
-    transaction.on_commit(lambda: run_cancel_enqueue(run_id=run.id))
+    transaction.on_commit(lambda: enqueue("oolong.run_cancel", run.id))
     return run
-
-
-def run_cancel_enqueue(*, run_id: int) -> None:
-    if settings.OOLONG_RUN_SUBMISSION == "none":
-        return
-    from workers.tasks import run_cancel as run_cancel_task
-
-    run_cancel_task.delay(run_id)
 
 
 def run_orchestrator_ref_set(*, run: Run, ref: str) -> Run:

@@ -1,12 +1,24 @@
-"""Ingest endpoints for trainers and flows, authenticated by the run's ingest token."""
+"""The tracker's endpoints: ingest for trainers and flows (authenticated by the run's ingest
+token), and what a user reads of a run's tracking data (detail with latest metrics, series,
+trajectories, comparisons)."""
 
 from rest_framework import serializers
-from rest_framework.exceptions import PermissionDenied
+from rest_framework.exceptions import PermissionDenied, ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from webapp.api.auth import IngestTokenAuthentication, RunIngestUser
+from webapp.core.params import int_param
+from webapp.runs.apis import RunOutput, RunSpecOutput
+from webapp.runs.auth import IngestTokenAuthentication, RunIngestUser
+from webapp.runs.models import Run
+from webapp.runs.selectors import run_config_diff, run_get
 from webapp.runs.services import run_event_add, run_status_set
+from webapp.tracking.selectors import (
+    latest_metrics,
+    latest_metrics_for_runs,
+    metric_series_get,
+    trajectory_list,
+)
 from webapp.tracking.services import checkpoint_record, metrics_ingest, trajectories_ingest
 
 
@@ -102,3 +114,72 @@ class DatasetRowsIngestApi(IngestApi):
         version = self.run.dataset_version
         return FileResponse(open(version.rows_path, "rb"), content_type="application/jsonl",
                             filename=f"dataset-{version.id}.jsonl")
+
+
+# ---- a user's view of a run's tracking data --------------------------------------------------
+
+
+class RunDetailOutput(RunSpecOutput):
+    latest_metrics = serializers.SerializerMethodField()
+
+    def get_latest_metrics(self, run: Run) -> dict:
+        return latest_metrics(run=run)
+
+
+class RunDetailApi(APIView):
+    def get(self, request, run_id: int):
+        return Response(RunDetailOutput(run_get(user=request.user, run_id=run_id)).data)
+
+
+def _keys(request, default: list[str]) -> list[str]:
+    raw = request.query_params.get("keys")
+    return [k for k in raw.split(",") if k] if raw else default
+
+
+def _buckets(request) -> int:
+    try:
+        buckets = int(request.query_params.get("buckets", 500))
+    except ValueError:
+        raise ValidationError({"buckets": "must be an integer"}) from None
+    if not 1 <= buckets <= 5000:
+        raise ValidationError({"buckets": "must be between 1 and 5000"})
+    return buckets
+
+
+class RunMetricsApi(APIView):
+    """Downsampled series (min/max/mean per step bucket) for the given metric keys."""
+
+    def get(self, request, run_id: int):
+        run = run_get(user=request.user, run_id=run_id)
+        keys = _keys(request, ["reward/mean"])
+        buckets = _buckets(request)
+        return Response({"run": run.id, "series": [metric_series_get(run=run, key=k, buckets=buckets)
+                                                   for k in keys]})
+
+
+class RunTrajectoriesApi(APIView):
+    def get(self, request, run_id: int):
+        run = run_get(user=request.user, run_id=run_id)
+        samples = trajectory_list(run=run, step=int_param(request, "step"))
+        return Response([{"step": s.step, "index": s.index, "prompt": s.prompt,
+                          "completion": s.completion, "reward": s.reward, "tokens": s.tokens,
+                          "token_versions": s.token_versions, "info": s.info} for s in samples])
+
+
+class RunCompareApi(APIView):
+    def get(self, request):
+        try:
+            ids = [int(x) for x in request.query_params.get("ids", "").split(",") if x]
+        except ValueError:
+            raise ValidationError({"ids": "comma-separated run ids"}) from None
+        if len(ids) < 2:
+            raise ValidationError({"ids": "give at least two run ids"})
+        runs = [run_get(user=request.user, run_id=i) for i in ids]
+        keys = _keys(request, ["reward/mean", "eval/accuracy"])
+        return Response({
+            "runs": RunOutput(runs, many=True).data,
+            "config_diff": run_config_diff(runs=runs),
+            "latest": latest_metrics_for_runs(runs=runs, keys=keys),
+            "series": {r.id: [metric_series_get(run=r, key=k, buckets=_buckets(request)) for k in keys]
+                       for r in runs},
+        })

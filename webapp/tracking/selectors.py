@@ -9,7 +9,7 @@ from django.db import connection
 from django.db.models import Max, Min
 
 from webapp.runs.models import Run
-from webapp.tracking.models import LatestMetric, MetricPoint, TrajectorySample
+from webapp.tracking.models import Checkpoint, LatestMetric, MetricPoint, TrajectorySample
 
 
 def latest_metrics(*, run: Run) -> dict[str, float]:
@@ -67,3 +67,8 @@ def trajectory_list(*, run: Run, step: int | None = None, limit: int = 50) -> li
 def trajectory_steps(*, run: Run) -> list[int]:
     return list(TrajectorySample.objects.filter(run=run).values_list("step", flat=True)
                 .distinct().order_by("-step")[:200])
+
+
+def checkpoint_list(*, run: Run, limit: int = 20) -> list[Checkpoint]:
+    """The run's newest checkpoints first."""
+    return list(run.checkpoints.order_by("-step")[:limit])

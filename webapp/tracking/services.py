@@ -8,7 +8,7 @@ from typing import Any
 
 from django.db import connection, transaction
 
-from webapp.api.errors import ApplicationError
+from webapp.core.errors import ApplicationError
 from webapp.runs.models import Run
 from webapp.tracking.models import Checkpoint, LatestMetric, MetricPoint, TrajectorySample
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from workers.sandbox import run_sandboxed
+from training_core.sandbox import run_sandboxed
 
 ROWS = [{"question": "1+1=", "answer": "2", "completion": "2"},
         {"question": "1+1=", "answer": "2", "completion": "3"}]

@@ -1,0 +1,48 @@
+"""The two evaluations share prompt rendering and scoring: offline evaluation of a set of weights
+must agree with what the rollout server generates greedily from the same weights."""
+
+from __future__ import annotations
+
+import pytest
+from safetensors.torch import save_file
+
+from tests.training_core.conftest import generate
+from training_core.config import load_spec
+from training_core.evaluation import evaluate_weights
+from training_core.models.loading import load_model, load_tokenizer
+from training_core.workflows.base import render_prompt
+
+TEMPLATE = "Q: {question} A:"
+
+
+def test_offline_evaluation_matches_the_servers_greedy_completions(server, tiny_model_dir, tmp_path):
+    tok = load_tokenizer(tiny_model_dir)
+    rows = []
+    for i in range(8):
+        row = {"question": f"{i}+{2 * i}"}
+        ids = render_prompt(tok, row, TEMPLATE, chat_template=False)
+        out = generate(server, ids, max_new_tokens=6, temperature=0.0)
+        completion = tok.decode(out["output_ids"], skip_special_tokens=True).strip()
+        if completion:  # the reward needs something to compare
+            rows.append({**row, "answer": completion})
+    assert len(rows) >= 4
+
+    weights = tmp_path / "v0"
+    weights.mkdir()
+    state = {k: v.contiguous() for k, v in load_model(tiny_model_dir).state_dict().items()
+             if k != "lm_head.weight"}
+    save_file(state, str(weights / "model.safetensors"))
+    spec = load_spec(None, ["reward.fn=builtin:exact", "rollout.max_new_tokens=6",
+                            f"data.prompt_template={TEMPLATE}"])
+    metrics = evaluate_weights(spec, tiny_model_dir, weights, rows)
+    assert metrics["offline_eval/accuracy"] == 1.0 and metrics["offline_eval/rows"] == len(rows)
+
+    # Control: prompts rendered another way give other completions, so the check can fail.
+    other = spec.model_copy(update={"data": spec.data.model_copy(update={"prompt_template": "{question}"})})
+    assert evaluate_weights(other, tiny_model_dir, weights, rows)["offline_eval/accuracy"] < 1.0
+
+
+def test_offline_evaluation_never_runs_user_reward_code(tiny_model_dir, tmp_path):
+    spec = load_spec(None, ["reward.fn=tests.training_core.rewards_for_tests:digit_reward"])
+    with pytest.raises(ValueError, match="built-in rewards only"):
+        evaluate_weights(spec, tiny_model_dir, tmp_path, [{"question": "1", "answer": "1"}])

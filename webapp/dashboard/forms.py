@@ -1,0 +1,92 @@
+"""Forms of the server-rendered pages: they parse and check the raw input, so views never call
+``int()`` on a request value and a bad field is reported by name (nothing is stored)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from django import forms
+
+from webapp.runs.models import Run
+
+MAX_SPEC_CHARS = 100_000
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without anchors and aliases: a run spec never needs them, and nested aliases expand
+    exponentially (the 'billion laughs')."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.YAMLError("YAML aliases (*name) are not allowed in a run spec")
+        return super().compose_node(parent, index)
+
+
+def parse_spec_yaml(text: str) -> dict[str, Any]:
+    """A run spec typed as YAML: a mapping, no aliases. Raises ``forms.ValidationError``."""
+    if len(text) > MAX_SPEC_CHARS:
+        raise forms.ValidationError(f"the spec is longer than {MAX_SPEC_CHARS} characters")
+    try:
+        data = yaml.load(text or "{}", Loader=_NoAliasLoader) or {}  # noqa: S506 - safe loader
+    except yaml.YAMLError as exc:
+        raise forms.ValidationError(f"not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise forms.ValidationError("the spec must be a mapping of sections (trainer:, rollout:, ...)")
+    return data
+
+
+class RunListFilterForm(forms.Form):
+    status = forms.ChoiceField(choices=[("", "any")] + [(s, s) for s in Run.Status.values],
+                               required=False)
+    q = forms.CharField(required=False, max_length=200)
+    project = forms.IntegerField(required=False, min_value=1)
+
+
+class RunCompareForm(forms.Form):
+    id_list = forms.CharField(required=False, max_length=2000)
+
+    def run_ids(self, picked: list[str]) -> list[int]:
+        """Ids from the checkboxes (``ids``) and the free-text list, deduplicated in order."""
+        raw = picked + self.cleaned_data.get("id_list", "").split(",")
+        ids = []
+        for item in (x.strip() for x in raw):
+            if not item:
+                continue
+            if not item.isdigit():
+                raise forms.ValidationError(f"run ids are numbers, got {item!r}")
+            ids.append(int(item))
+        return list(dict.fromkeys(ids))
+
+
+class RunNewForm(forms.Form):
+    project = forms.IntegerField(min_value=1)
+    name = forms.CharField(required=False, max_length=200)
+    dataset_version = forms.IntegerField(min_value=1)
+    reward_version = forms.IntegerField(min_value=1)
+    spec = forms.CharField(required=False, strip=False)
+
+    def clean_spec(self) -> dict[str, Any]:
+        return parse_spec_yaml(self.cleaned_data.get("spec", ""))
+
+
+class DatasetUploadForm(forms.Form):
+    project = forms.IntegerField(min_value=1)
+    name = forms.CharField(max_length=200)
+    task = forms.CharField(required=False, max_length=50)
+    file = forms.FileField(error_messages={"required": "choose a file to upload"})
+
+
+class RewardCreateForm(forms.Form):
+    project = forms.IntegerField(min_value=1)
+    name = forms.CharField(max_length=200)
+    builtin = forms.CharField(required=False, max_length=50)
+    source = forms.CharField(required=False, strip=False)
+    entrypoint = forms.CharField(required=False, max_length=100)
+    file = forms.FileField(required=False)
+
+
+def form_errors(form: forms.Form) -> list[dict[str, Any]]:
+    """Form errors in the shape services use: [{"field": ..., "message": ...}]."""
+    return [{"field": None if field == "__all__" else field, "message": str(message)}
+            for field, messages in form.errors.items() for message in messages]
