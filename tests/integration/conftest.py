@@ -52,14 +52,13 @@ def wait_for(predicate, timeout_s: float, what: str, interval: float = 0.5):
 
 
 def _use_broker(app, url: str, backend: str) -> None:
-    """Unit tests enqueue into the in-memory broker (test settings); drop the connections cached
-    for it so the web side's sends reach Redis, where the real worker listens (and back)."""
+    """Unit tests enqueue into the in-memory broker (test settings); forget the app's cached pool
+    and producers so the web side's sends reach Redis, where the real worker listens (and back).
+    The pools themselves stay open: kombu keeps them in a registry keyed by URL and reuses them."""
     app.conf.broker_url = url
     app.conf.result_backend = backend
     app.conf.task_always_eager = False
-    if app._pool is not None:
-        app._pool.force_close_all()
-        app._pool = None
+    app._pool = None
     app.amqp._producer_pool = None
     vars(app._local).pop("backend", None)
 

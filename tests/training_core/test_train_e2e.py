@@ -157,5 +157,8 @@ def test_stop_and_resume_trains_on_the_same_prompts_as_an_uninterrupted_run(tmp_
         return sorted(p for b in log for p in b["prompts"])
 
     assert prompts(part) == prompts(whole.run_dir) == list(range(6 * 2))
+    # The checkpoint at step 3 is taken right after the version bump: batch 4's prompts are
+    # handed out then or a moment later, so 2 or 0 are requeued; either way none is skipped.
+    # (test_rollout_executor checks the requeue itself deterministically.)
     events = [json.loads(line) for line in (part / "events.jsonl").open()]
-    assert [e["requeued_prompts"] for e in events if e["kind"] == "resumed"] == [2]
+    assert [e["requeued_prompts"] for e in events if e["kind"] == "resumed"] in ([0], [2])
