@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 demo: venv
+	bash scripts/services.sh jail
 	$(BIN)/python scripts/demo.py $(ARGS)
 
 test: venv
@@ -38,6 +39,7 @@ bench: venv
 	bash scripts/services.sh up
 	$(BIN)/python benchmarks/async_vs_sync.py $(ARGS) --out bench-results/async_vs_sync.json
 	$(BIN)/python benchmarks/tracker_ingest.py $(ARGS) --out bench-results/tracker_ingest.json
+	$(BIN)/python benchmarks/reward_jail.py $(ARGS) --out bench-results/reward_jail.json
 
 lint: venv
 	$(BIN)/ruff check .

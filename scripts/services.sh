@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Make sure the services the tests talk to run on 127.0.0.1: PostgreSQL (trust auth for
-# 127.0.0.1, user postgres), Redis, and Chromium for browser tests. Installs from Debian's
-# packages when missing. `services.sh up` records what it started; `services.sh down` stops it.
+# 127.0.0.1, user postgres), Redis, and Chromium for browser tests; and that bubblewrap, the jail
+# every reward runs in, is installed (`services.sh jail` alone is what the demo needs). Installs
+# from Debian's packages when missing. `services.sh up` records what it started; `down` stops it.
 set -euo pipefail
 STATE=${OOLONG_SERVICES_STATE:-/tmp/oolong-services-started}
 APT_UPDATED=0
@@ -41,6 +42,11 @@ redis_up() {
   echo "services: Redis did not come up" >&2; exit 1
 }
 
+jail_up() {
+  command -v bwrap >/dev/null && return
+  echo "services: installing bubblewrap (the reward sandbox)"; apt_install bubblewrap
+}
+
 chromium_up() {
   command -v chromium >/dev/null && return
   echo "services: installing Chromium (browser tests)"; apt_install chromium
@@ -58,7 +64,8 @@ down() {
 }
 
 case "${1:-up}" in
-  up) rm -f "$STATE"; pg_up; redis_up; chromium_up ;;
+  up) rm -f "$STATE"; pg_up; redis_up; chromium_up; jail_up ;;
+  jail) jail_up ;;
   down) down ;;
   *) echo "usage: $0 up|down" >&2; exit 2 ;;
 esac

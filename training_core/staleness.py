@@ -6,11 +6,17 @@ may start only while
 
     capacity = min(M - running, (eta + v + 1) * B - (accepted + running)) > 0
 
-Why it works: the batch consumed at version v is made of groups number v*B .. (v+1)*B - 1 (in
-acceptance order, oldest first). A group started while the policy is at version u gets a number
-below (eta + u + 1) * B, so it is consumed at some version <= eta + u: its data are at most eta
-versions old. With eta = 0 no group for batch v+1 can start before version v+1 exists, which is
-synchronous RL.
+What it bounds: the batch consumed at version v is made of the next B accepted groups, oldest
+first. A group started while the policy is at version u gets a start number below
+(eta + u + 1) * B, so *if groups finish in the order they started* it is consumed at a version
+<= eta + u: its data are at most eta versions old. With eta = 0 no group for batch v+1 can start
+before version v+1 exists, which is synchronous RL.
+
+What it does not bound: a straggler (a long generation) can finish after many groups that started
+later; they are consumed first, and the straggler can end up more than eta versions behind. The
+strict bound is applied at consume time instead (rollout.py, ``rollout.max_token_staleness``,
+equal to eta by default): a sample whose oldest token is too old leaves the loss. Admission
+control keeps the typical lag low; the consume-time check makes the bound hold always.
 """
 
 from __future__ import annotations

@@ -90,25 +90,33 @@ def test_5xx_is_retried():
     assert resp.output_ids == [7, 8] and server.generate_calls == 2
 
 
+async def start_then_pause(client, request_, paused: asyncio.Event) -> asyncio.Task:
+    """Send a request, then pause the servers while it is in flight (the scripted server answers
+    ``abort`` once ``paused`` is set, as SGLang does for requests a pause interrupts)."""
+    task = asyncio.create_task(client.agenerate(request_))
+    await asyncio.sleep(0.02)
+    await client.pause()
+    paused.set()
+    return task
+
+
+async def aborted_once(paused: asyncio.Event, ids, **kw):
+    await paused.wait()  # in flight until the trainer pauses the server
+    return reply(ids, "abort", **kw)
+
+
 def test_abort_during_a_pause_resumes_with_the_partial_output_after_continue():
     async def scenario():
         paused = asyncio.Event()
 
-        async def aborted_by_the_pause():
-            await paused.wait()  # in flight until the trainer pauses the server
-            return reply([10, 11], "abort", version="0")
-
         def script(body, n):
             if n == 1:
-                return 200, aborted_by_the_pause()
+                return 200, aborted_once(paused, [10, 11], version="0")
             return 200, reply([12, 13], "length", version="1")
 
         server = ScriptedSGLang(script)
         client = client_for(server)
-        task = asyncio.create_task(client.agenerate(request(max_new_tokens=4)))
-        await asyncio.sleep(0.02)
-        await client.pause()
-        paused.set()
+        task = await start_then_pause(client, request(max_new_tokens=4), paused)
         await asyncio.sleep(0.05)
         # While paused, the interrupted sample waits: no second /generate yet.
         assert server.generate_calls == 1
@@ -130,17 +138,9 @@ def test_abort_during_a_pause_resumes_with_the_partial_output_after_continue():
 def test_an_interruption_that_used_the_whole_budget_is_not_resubmitted():
     async def scenario():
         paused = asyncio.Event()
-
-        async def aborted_by_the_pause():
-            await paused.wait()
-            return reply([1, 2, 3, 4], "abort")
-
-        server = ScriptedSGLang(lambda body, n: (200, aborted_by_the_pause()))
+        server = ScriptedSGLang(lambda body, n: (200, aborted_once(paused, [1, 2, 3, 4])))
         client = client_for(server)
-        task = asyncio.create_task(client.agenerate(request(max_new_tokens=4)))
-        await asyncio.sleep(0.02)
-        await client.pause()
-        paused.set()
+        task = await start_then_pause(client, request(max_new_tokens=4), paused)
         await asyncio.sleep(0.02)
         await client.resume()
         return await asyncio.wait_for(task, 5), server

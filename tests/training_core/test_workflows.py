@@ -14,7 +14,9 @@ from training_core.workflows.base import WorkflowContext
 
 def _ctx(tiny_model_dir, fn, **kw):
     return WorkflowContext(tokenizer=load_tokenizer(tiny_model_dir),
-                           rewards=RewardPool(fn, executor="inline"),
+                           # Function rewards run only in the sandbox jail (executor process).
+                           rewards=RewardPool(fn, executor="inline" if fn.startswith("builtin:")
+                                              else "process"),
                            sampling=SamplingParams(max_new_tokens=5, ignore_eos=True),
                            group_size=3, **kw)
 

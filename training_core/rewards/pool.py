@@ -1,24 +1,31 @@
-"""Run rewards off the event loop: in worker processes with a per-call timeout.
+"""Score rewards off the event loop, each call inside the sandbox jail (training_core/sandbox.py).
 
-A reward that raises or runs past its timeout scores 0 and is recorded; it never kills the run.
-A worker that timed out is killed and replaced (the call may be stuck in C code or a loop), so
-one bad sample cannot poison the calls queued behind it.
+One pool for every reward: ``workers`` persistent jailed workers, each scoring one call at a
+time. A reward that raises scores 0 and is recorded; one that runs past ``timeout_s``, floods its
+answer or dies has its whole jail killed and replaced, so one bad sample cannot poison the calls
+queued behind it, and the run goes on.
+
+The trainer never imports reward code it did not ship: a ``module:function`` reward (the user's
+code, written into the run directory by the web app, or a path an admin configured) is read from
+its file, not imported, and runs as source in the jail. It must be a self-contained module
+(standard library and installed packages). Built-in rewards are Oolong's own code; the jail runs
+them too (``executor: inline`` scores built-ins in-process, for rewards too cheap to ship out).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
-import os
-import threading
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from training_core.imports import import_string
 from training_core.rewards.registry import resolve_reward
+from training_core.sandbox import JailedWorker, Limits, failure_message
 
 log = logging.getLogger(__name__)
 
@@ -31,78 +38,73 @@ class RewardResult:
     extracted: str | None = None  # the answer a built-in reward extracted and scored
 
 
-def _worker_main(conn: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    cache: dict[str, Any] = {}
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            return
-        if msg is None:
-            return
-        path, extract, completion, item = msg
-        try:
-            key = f"{path}|{extract}"
-            fn = cache.get(key) or cache.setdefault(key, resolve_reward(path, extract))
-            conn.send(("ok", (float(fn(completion, item)), fn.extracted(completion))))
-        except BaseException as exc:  # noqa: BLE001 - report everything, keep serving
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+def module_source(module: str) -> str:
+    """The source of ``package.module`` found on ``sys.path``, without importing anything."""
+    rel = Path(*module.split("."))
+    for entry in sys.path:
+        for candidate in (Path(entry or ".") / rel.with_suffix(".py"),
+                          Path(entry or ".") / rel / "__init__.py"):
+            if candidate.is_file():
+                return candidate.read_text()
+    raise ValueError(f"reward.fn: module {module!r} is not a file on the path (a function reward "
+                     "must be a self-contained module)")
 
 
-class _Worker:
-    def __init__(self, ctx: Any):
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
-        self.proc.start()
-        child.close()
-
-    def call(self, msg: tuple, timeout: float) -> tuple[str, Any]:
-        self.conn.send(msg)
-        if not self.conn.poll(timeout):
-            return ("timeout", None)
-        try:
-            return self.conn.recv()
-        except EOFError:
-            return ("error", "reward worker died")
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.join(timeout=5)
-        self.conn.close()
+def jailed_reward(fn_path: str, extract: str) -> tuple[dict[str, Any], str | None]:
+    """What a jailed worker needs to score ``fn_path``: its spec, and the source of user code."""
+    kind, sep, name = fn_path.partition(":")
+    if kind == "builtin":
+        resolve_reward(fn_path, extract)  # fail fast, naming the problem
+        return {"kind": "builtin", "path": fn_path, "extract": extract}, None
+    if not sep or not name.isidentifier():
+        raise ValueError(f"reward.fn {fn_path!r} must be 'builtin:<name>' or 'module:function'")
+    if extract not in ("auto", "none"):
+        raise ValueError(f"reward.extract {extract!r} applies to built-in rewards only; a "
+                         "function reward gets the raw completion")
+    return {"kind": "source", "entrypoint": name}, module_source(kind)
 
 
 class RewardPool:
-    """``await pool.score(completion, item)`` -> RewardResult. ``executor='inline'`` skips processes."""
+    """``await pool.score(completion, item)`` -> RewardResult."""
 
     def __init__(self, fn_path: str, *, workers: int = 1, timeout_s: float = 10.0,
                  executor: str = "process", remote_backend: str | None = None,
-                 extract: str = "auto"):
+                 extract: str = "auto", limits: Limits = Limits()):
         self.fn_path = fn_path
         self.extract = extract
         self.timeout_s = timeout_s
         self.executor = executor
+        self.limits = limits
         self.failures = 0
         self._remote = None
+        self._inline_fn = None
         if executor == "remote":
             # Loaded by import path: the engine knows no queue library.
             backend = import_string(remote_backend or "", field="reward.remote_backend", kind="class")
             self._remote = backend(fn_path, timeout_s=timeout_s)
-        self._inline_fn = resolve_reward(fn_path, extract)  # fail fast on a bad path
-        self._ctx = mp.get_context("spawn")
-        self._workers: list[_Worker] = []
-        self._idle: asyncio.Queue[_Worker] | None = None
+            return
+        self._spec, self._source = jailed_reward(fn_path, extract)
+        if executor == "inline":
+            if self._source is not None:
+                raise ValueError("reward.executor 'inline' scores built-in rewards only: reward "
+                                 "code runs in the sandbox jail (use executor 'process')")
+            self._inline_fn = resolve_reward(fn_path, extract)
         self._n = workers
+        self._workers: list[JailedWorker] = []
+        self._idle: asyncio.Queue[JailedWorker] | None = None
         self._threads = ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="reward")
-        self._lock = threading.Lock()
 
-    def _ensure_started(self) -> asyncio.Queue:
+    def _start_worker(self) -> JailedWorker:
+        worker = JailedWorker(self._spec, source=self._source, limits=self.limits)
+        self._workers.append(worker)
+        return worker
+
+    async def _idle_queue(self) -> asyncio.Queue[JailedWorker]:
         if self._idle is None:
             self._idle = asyncio.Queue()
+            loop = asyncio.get_running_loop()
             for _ in range(self._n):
-                w = _Worker(self._ctx)
-                self._workers.append(w)
-                self._idle.put_nowait(w)
+                self._idle.put_nowait(await loop.run_in_executor(self._threads, self._start_worker))
         return self._idle
 
     async def score(self, completion: str, item: dict[str, Any]) -> RewardResult:
@@ -115,33 +117,32 @@ class RewardPool:
             if error:
                 return self._failed(error, start)
             return RewardResult(reward, None, time.perf_counter() - start)
-        if self.executor == "inline":
+        if self._inline_fn is not None:
             try:
                 return RewardResult(float(self._inline_fn(completion, item)), None,
                                     time.perf_counter() - start,
                                     self._inline_fn.extracted(completion))
             except Exception as exc:  # noqa: BLE001
                 return self._failed(f"{type(exc).__name__}: {exc}", start)
-        idle = self._ensure_started()
+        idle = await self._idle_queue()
         worker = await idle.get()
         loop = asyncio.get_running_loop()
-        status, value = await loop.run_in_executor(
-            self._threads, worker.call, (self.fn_path, self.extract, completion, item),
-            self.timeout_s)
-        if status == "ok":
-            idle.put_nowait(worker)
-            reward, extracted = value
-            return RewardResult(reward, None, time.perf_counter() - start, extracted)
-        if status == "timeout" or not worker.proc.is_alive():
-            worker.kill()
-            self._workers.remove(worker)
-            fresh = _Worker(self._ctx)
-            self._workers.append(fresh)
-            idle.put_nowait(fresh)
-            value = value or f"timed out after {self.timeout_s:g}s"
-        else:
-            idle.put_nowait(worker)
-        return self._failed(value, start)
+        try:
+            status, answer = await loop.run_in_executor(
+                self._threads, worker.call, completion, item, self.timeout_s)
+        finally:
+            if worker.alive:
+                idle.put_nowait(worker)
+            else:  # killed (timeout, flood) or dead: a fresh jail takes its place
+                self._workers.remove(worker)
+                idle.put_nowait(await loop.run_in_executor(self._threads, self._start_worker))
+        if status != "ok":
+            return self._failed(failure_message(status, self.timeout_s, self.limits,
+                                                worker.returncode), start)
+        if "error" in answer:
+            return self._failed(answer["error"], start)
+        return RewardResult(answer["reward"], None, time.perf_counter() - start,
+                            answer.get("extracted"))
 
     def _failed(self, error: str, start: float) -> RewardResult:
         self.failures += 1
@@ -149,13 +150,12 @@ class RewardPool:
         return RewardResult(0.0, error, time.perf_counter() - start)
 
     def close(self) -> None:
-        if self._remote is not None and hasattr(self._remote, "close"):
-            self._remote.close()
-        for w in self._workers:
-            try:
-                w.conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-            w.kill()
+        if self._remote is not None:
+            close = getattr(self._remote, "close", None)
+            if close is not None:
+                close()
+            return
+        for worker in self._workers:
+            worker.kill()
         self._workers.clear()
         self._threads.shutdown(wait=False)
