@@ -51,7 +51,7 @@ class RunCreateApi(APIView):
         name = serializers.CharField(max_length=100)
         dataset_version = serializers.IntegerField()
         reward_version = serializers.IntegerField()
-        spec = serializers.JSONField(required=False, default=dict)
+        spec = serializers.DictField(required=False, default=dict)  # a mapping of sections
 
     def post(self, request):
         data = self.InputSerializer(data=request.data)

@@ -46,7 +46,7 @@ class MetricsIngestApi(IngestApi):
 
 class EventsIngestApi(IngestApi):
     class InputSerializer(serializers.Serializer):
-        events = serializers.ListField(child=serializers.DictField())
+        events = serializers.ListField(child=serializers.DictField(), max_length=1000)
 
     def post(self, request):
         data = self.InputSerializer(data=request.data)
@@ -75,7 +75,7 @@ class StatusIngestApi(IngestApi):
 
 class TrajectoriesIngestApi(IngestApi):
     class InputSerializer(serializers.Serializer):
-        samples = serializers.ListField(child=serializers.DictField())
+        samples = serializers.ListField(child=serializers.DictField(), max_length=1000)
 
     def post(self, request):
         data = self.InputSerializer(data=request.data)
@@ -85,9 +85,9 @@ class TrajectoriesIngestApi(IngestApi):
 
 class CheckpointIngestApi(IngestApi):
     class InputSerializer(serializers.Serializer):
-        step = serializers.IntegerField()
-        version = serializers.IntegerField()
-        path = serializers.CharField()
+        step = serializers.IntegerField(min_value=0, max_value=2**63 - 1)
+        version = serializers.IntegerField(min_value=0, max_value=2**63 - 1)
+        path = serializers.CharField(max_length=1000)
 
     def post(self, request):
         data = self.InputSerializer(data=request.data)

@@ -15,6 +15,20 @@ from webapp.tracking.models import Checkpoint, LatestMetric, MetricPoint, Trajec
 MAX_POINTS_PER_BATCH = 50_000
 
 
+INT64 = (-(2**63), 2**63 - 1)  # BigIntegerField: a larger number is a 400, not a database error
+
+
+def _int64(value: Any, field: str) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ApplicationError("must be an integer", field=field) from None
+    if not INT64[0] <= number <= INT64[1] or isinstance(value, float) and value != number:
+        raise ApplicationError(f"must be an integer between {INT64[0]} and {INT64[1]}",
+                               field=field)
+    return number
+
+
 def _clean_points(points: list[dict[str, Any]]) -> list[tuple[str, int, float, float]]:
     if len(points) > MAX_POINTS_PER_BATCH:
         raise ApplicationError(f"at most {MAX_POINTS_PER_BATCH} points per batch", field="points")
@@ -28,9 +42,16 @@ def _clean_points(points: list[dict[str, Any]]) -> list[tuple[str, int, float, f
                                    field=f"points[{i}]") from None
         if not key or len(key) > 100:
             raise ApplicationError("key must be 1-100 characters", field=f"points[{i}].key")
+        step = _int64(step, f"points[{i}].step")
+        try:
+            wall = float(p.get("time") or now)
+        except (TypeError, ValueError):
+            raise ApplicationError("must be a Unix time in seconds", field=f"points[{i}].time") from None
         if math.isnan(value) or math.isinf(value):
             continue  # not plottable; a NaN loss is reported as an event by the trainer
-        out.append((key, step, value, float(p.get("time") or now)))
+        if not math.isfinite(wall):
+            raise ApplicationError("must be a Unix time in seconds", field=f"points[{i}].time")
+        out.append((key, step, value, wall))
     return out
 
 
@@ -88,8 +109,12 @@ def trajectories_ingest(*, run: Run, samples: list[dict[str, Any]]) -> int:
     objs = []
     for i, s in enumerate(samples):
         try:
+            step = _int64(s["step"], f"samples[{i}].step")
+            index = _int64(s.get("index", i), f"samples[{i}].index")
+            if not 0 <= index <= 2**31 - 1:
+                raise ApplicationError("must be between 0 and 2147483647", field=f"samples[{i}].index")
             objs.append(TrajectorySample(
-                run=run, step=int(s["step"]), index=int(s.get("index", i)), prompt=str(s["prompt"]),
+                run=run, step=step, index=index, prompt=str(s["prompt"]),
                 completion=str(s["completion"]), reward=float(s["reward"]),
                 tokens=list(s.get("tokens", [])), token_versions=list(s.get("token_versions", [])),
                 info=dict(s.get("info", {}))))
