@@ -126,8 +126,11 @@ def main() -> int:
             except httpx.TransportError:
                 time.sleep(0.2)
         api_run = new_run("api")
+        from webapp.runs.services import run_token_issue
+
+        token = run_token_issue(run=api_run, purpose="benchmark")
         client = httpx.Client(base_url=base, timeout=120,
-                              headers={"Authorization": f"Bearer {api_run.ingest_token}"})
+                              headers={"Authorization": f"Bearer {token}"})
         batch = 5000
         start = time.perf_counter()
         for i in range(0, len(rows), batch):

@@ -20,8 +20,11 @@ BIG = 2**63
 
 @pytest.fixture
 def ingest(run):  # noqa: F811
+    from webapp.runs.services import run_token_issue
+
+    ingest_token = run_token_issue(run=run, purpose="test")
     client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {run.ingest_token}")
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {ingest_token}")
     return client
 
 
@@ -55,3 +58,30 @@ def test_bad_query_parameters_are_400s(api, run, query, field):  # noqa: F811
     kind = "events" if field == "after" else "trajectories"
     resp = api.get(f"/api/runs/{run.id}/{kind}/?{query}")
     assert resp.status_code == 400 and field in resp.json()["errors"][0]["field"]
+
+
+def test_tokens_are_stored_hashed_and_refused_once_the_run_ends(run, api):  # noqa: F811
+    from webapp.runs.models import RunToken
+    from webapp.runs.services import run_status_set, run_token_issue
+
+    token = run_token_issue(run=run, purpose="test")
+    assert not RunToken.objects.filter(token_hash=token).exists()  # only the hash is kept
+    assert token not in str(list(RunToken.objects.values_list("token_hash", flat=True)))
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert client.get("/api/ingest/run/").status_code == 200
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {token[:-1]}x")
+    assert client.get("/api/ingest/run/").status_code in (401, 403)
+    run_status_set(run=run, status="running")
+    run_status_set(run=run, status="succeeded")
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+    refused = client.get("/api/ingest/run/")
+    assert refused.status_code in (401, 403)  # a finished run's token is refused
+    assert client.post("/api/ingest/metrics/", {"points": [{"key": "x", "step": 1, "value": 1}]},
+                       format="json").status_code in (401, 403)
+    # The creator's token from the API is issued the same way and shown only in that response.
+    created = api.post("/api/runs/", {"project": run.project_id, "name": "again",
+                                      "dataset_version": run.dataset_version_id,
+                                      "reward_version": run.reward_version_id}, format="json")
+    assert created.status_code == 201 and created.json()["ingest_token"]
+    assert "ingest_token" not in api.get(f"/api/runs/{created.json()['id']}/").json()

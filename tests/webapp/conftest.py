@@ -85,3 +85,11 @@ def run(project, alice, dataset_version, reward_version):
 
     return run_create(project=project, user=alice, name="r1", dataset_version=dataset_version,
                       reward_version=reward_version, spec={"trainer": {"steps": 5}})
+
+
+@pytest.fixture
+def ingest_token(run) -> str:
+    """A fresh ingest token for ``run`` (only its hash is stored)."""
+    from webapp.runs.services import run_token_issue
+
+    return run_token_issue(run=run, purpose="test")

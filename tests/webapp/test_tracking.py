@@ -42,9 +42,9 @@ def test_series_downsampling_min_max_mean(run):
     assert down["step"] == sorted(down["step"]) and down["step"][-1] == 999
 
 
-def test_ingest_api_with_run_token_and_isolation(run, api):
+def test_ingest_api_with_run_token_and_isolation(run, ingest_token, api):
     c = APIClient()
-    c.credentials(HTTP_AUTHORIZATION=f"Bearer {run.ingest_token}")
+    c.credentials(HTTP_AUTHORIZATION=f"Bearer {ingest_token}")
     r = c.post("/api/ingest/metrics/", {"points": _points(range(3))}, format="json")
     assert r.json() == {"inserted": 3, "received": 3}
     assert c.post("/api/ingest/status/", {"status": "running"}, format="json").json()["status"] == "running"

@@ -10,8 +10,8 @@ from webapp.tracking.models import MetricPoint, TrajectorySample
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def test_sink_delivers_metrics_events_trajectories_and_status(live_server, run, tmp_path):
-    sink = HttpSink(live_server.url, run.ingest_token, spool_dir=tmp_path / "spool", flush_interval_s=0.1)
+def test_sink_delivers_metrics_events_trajectories_and_status(live_server, run, ingest_token, tmp_path):
+    sink = HttpSink(live_server.url, ingest_token, spool_dir=tmp_path / "spool", flush_interval_s=0.1)
     sink.status("running")
     for step in range(1, 4):
         sink.log(step, {"reward/mean": step / 10, "loss": 0.5, "flag": True})
@@ -30,9 +30,10 @@ def test_sink_delivers_metrics_events_trajectories_and_status(live_server, run, 
     assert run.status == "running"
 
 
-def test_unreachable_tracker_spools_then_delivers_everything_once(live_server, run, tmp_path):
+def test_unreachable_tracker_spools_then_delivers_everything_once(live_server, run, ingest_token,
+                                                                 tmp_path):
     spool = tmp_path / "spool"
-    down = HttpSink(f"http://127.0.0.1:{free_port()}", run.ingest_token, spool_dir=spool,
+    down = HttpSink(f"http://127.0.0.1:{free_port()}", ingest_token, spool_dir=spool,
                     flush_interval_s=0.05, close_timeout_s=1.0)
     for step in range(50):
         down.log(step, {"reward/mean": float(step)})
@@ -41,7 +42,7 @@ def test_unreachable_tracker_spools_then_delivers_everything_once(live_server, r
     assert down.pending() == 51 and down.failures >= 1
     assert MetricPoint.objects.filter(run=run).count() == 0
 
-    up = HttpSink(live_server.url, run.ingest_token, spool_dir=spool, flush_interval_s=0.05)
+    up = HttpSink(live_server.url, ingest_token, spool_dir=spool, flush_interval_s=0.05)
     up.log(50, {"reward/mean": 50.0})
     up.close()
     assert up.pending() == 0
@@ -50,7 +51,7 @@ def test_unreachable_tracker_spools_then_delivers_everything_once(live_server, r
 
     # Replaying the whole spool (a retried delivery) duplicates nothing.
     (spool / "delivered.offset").write_text("0")
-    again = HttpSink(live_server.url, run.ingest_token, spool_dir=spool, flush_interval_s=0.05)
+    again = HttpSink(live_server.url, ingest_token, spool_dir=spool, flush_interval_s=0.05)
     again.close()
     assert MetricPoint.objects.filter(run=run).count() == 51
     assert RunEvent.objects.filter(run=run, kind="note").count() == 1

@@ -7,7 +7,6 @@ from webapp.runs.models import Run, RunEvent
 class RunAdmin(admin.ModelAdmin):
     list_display = ("id", "name", "project", "status", "created_at")
     list_filter = ("status", "project")
-    readonly_fields = ("ingest_token",)
 
 
 admin.site.register(RunEvent)

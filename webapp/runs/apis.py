@@ -10,7 +10,7 @@ from webapp.datasets.selectors import dataset_version_get
 from webapp.rewards.selectors import reward_version_get
 from webapp.runs.models import Run
 from webapp.runs.selectors import run_event_list, run_get, run_list
-from webapp.runs.services import run_cancel, run_create
+from webapp.runs.services import run_cancel, run_create, run_token_issue
 
 
 class RunOutput(serializers.Serializer):
@@ -63,7 +63,8 @@ class RunCreateApi(APIView):
                          reward_version=reward_version_get(user=request.user, version_id=v["reward_version"]),
                          spec=v["spec"])
         out = RunSpecOutput(run).data
-        out["ingest_token"] = run.ingest_token  # shown once, to the creator
+        # For a trainer the creator runs: shown once, stored only as a hash, void when the run ends.
+        out["ingest_token"] = run_token_issue(run=run, purpose="creator")
         return Response(out, status=201)
 
 

@@ -1,3 +1,4 @@
+import hashlib
 import secrets
 
 from django.conf import settings
@@ -8,7 +9,7 @@ from webapp.datasets.models import DatasetVersion
 from webapp.rewards.models import RewardFunctionVersion
 
 
-def _new_token() -> str:
+def _new_token() -> str:  # referenced by migration 0001 (runs once had a plaintext token)
     return secrets.token_urlsafe(32)
 
 
@@ -37,7 +38,6 @@ class Run(models.Model):
     status = models.CharField(max_length=15, choices=Status.choices, default=Status.QUEUED, db_index=True)
     status_reason = models.TextField(blank=True)
     cancel_requested = models.BooleanField(default=False)
-    ingest_token = models.CharField(max_length=64, default=_new_token, unique=True)
     orchestrator_ref = models.CharField(max_length=100, blank=True, help_text="Prefect flow run id")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
@@ -71,3 +71,18 @@ class RunEvent(models.Model):
     class Meta:
         ordering = ["time", "id"]
         constraints = [models.UniqueConstraint(fields=["run", "dedup_key"], name="event_dedup")]
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class RunToken(models.Model):
+    """A run's ingest token, as its SHA-256 only: the plaintext is shown once when it is issued
+    (to the run's creator, or handed to the run's flow). Tokens stop working when the run ends."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="tokens")
+    token_hash = models.CharField(max_length=64, unique=True)
+    purpose = models.CharField(max_length=20, help_text="creator | orchestrator")
+    created_at = models.DateTimeField(auto_now_add=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)

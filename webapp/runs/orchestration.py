@@ -10,7 +10,12 @@ from django.conf import settings
 from django.db import transaction
 
 from webapp.runs.models import Run
-from webapp.runs.services import run_event_add, run_orchestrator_ref_set, run_status_set
+from webapp.runs.services import (
+    run_event_add,
+    run_orchestrator_ref_set,
+    run_status_set,
+    run_token_issue,
+)
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +28,10 @@ def run_submit_to_orchestrator(*, run_id: int) -> str | None:
         if run.orchestrator_ref or run.status != Run.Status.QUEUED:
             return run.orchestrator_ref or None  # already submitted, or cancelled meanwhile
         provider = run.spec.get("orchestration", {}).get("provider", "local")
+        # The flow's own token: only its hash stays here (rolled back if the submit fails).
+        token = run_token_issue(run=run, purpose="orchestrator")
         ref = submit_training_run(run_id=run.id, tracker_url=settings.OOLONG_PUBLIC_URL,
-                                  ingest_token=run.ingest_token, provider=provider)
+                                  ingest_token=token, provider=provider)
         run_orchestrator_ref_set(run=run, ref=ref)
     run_event_add(run=run, kind="submitted", message=f"flow started ({ref})")
     return ref

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import hmac
 from typing import Any
 
 from django.db.models import QuerySet
 from django.http import Http404
 
-from webapp.runs.models import Run, RunEvent
+from webapp.runs.models import Run, RunEvent, RunToken, token_hash
 
 
 def run_list(*, user, project_id: int | None = None, status: str | None = None,
@@ -39,7 +40,14 @@ def run_event_recent(*, run: Run, limit: int = 100) -> list[RunEvent]:
 
 
 def run_get_by_ingest_token(*, token: str) -> Run | None:
-    return Run.objects.filter(ingest_token=token).first()
+    """The run an ingest token belongs to; None for an unknown or revoked token, or a run that has
+    ended (its tokens stop working with it)."""
+    digest = token_hash(token)
+    found = (RunToken.objects.select_related("run", "run__reward_version")
+             .filter(token_hash=digest, revoked_at__isnull=True).first())
+    if found is None or not hmac.compare_digest(found.token_hash, digest):
+        return None
+    return None if found.run.status in Run.TERMINAL else found.run
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from django.conf import settings
@@ -12,7 +13,7 @@ from webapp.config.celery import enqueue
 from webapp.datasets.models import DatasetVersion
 from webapp.datasets.selectors import dataset_version_prompt_template
 from webapp.rewards.models import RewardFunctionVersion
-from webapp.runs.models import Run, RunEvent
+from webapp.runs.models import Run, RunEvent, RunToken, token_hash
 
 
 def run_spec_validate(*, spec: dict[str, Any]) -> dict[str, Any]:
@@ -56,6 +57,13 @@ def run_create(*, project: Project, user, name: str, dataset_version: DatasetVer
     return run
 
 
+def run_token_issue(*, run: Run, purpose: str) -> str:
+    """A new ingest token for the run. Only its hash is stored: show the plaintext once."""
+    token = secrets.token_urlsafe(32)
+    RunToken.objects.create(run=run, token_hash=token_hash(token), purpose=purpose)
+    return token
+
+
 def run_event_add(*, run: Run, kind: str, message: str, data: dict | None = None,
                   dedup_key: str | None = None) -> RunEvent | None:
     try:
@@ -84,6 +92,8 @@ def run_status_set(*, run: Run, status: str, reason: str = "") -> Run:
     if status in Run.TERMINAL:
         run.finished_at = now
         run.started_at = run.started_at or now
+        # A finished run's tokens are refused from now on (the status report was the last call).
+        RunToken.objects.filter(run=run, revoked_at__isnull=True).update(revoked_at=now)
     run.save(update_fields=["status", "status_reason", "started_at", "finished_at"])
     run_event_add(run=run, kind="status", message=f"{status}" + (f": {reason}" if reason else ""))
     return run
