@@ -140,8 +140,9 @@ class JailedWorker:
     def __init__(self, reward: dict[str, Any], *, source: str | None = None,
                  limits: Limits = Limits()):
         self.limits = limits
+        # 0700, the launching user's: the jail's nobody maps to that user, so it can write here
+        # and nobody else on the host can.
         self._scratch = Path(tempfile.mkdtemp(prefix="oolong-jail-"))
-        os.chmod(self._scratch, 0o777)  # writable by the jail's nobody
         (self._scratch / "runner.py").write_text(RUNNER)
         if source is not None:
             (self._scratch / "user_reward.py").write_text(source)
