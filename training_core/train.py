@@ -21,6 +21,7 @@ import shutil
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,7 @@ from training_core.config import RunSpec, dump_spec
 from training_core.data.datasets import PromptLoader, load_data
 from training_core.engines.deepspeed_trainer import DeepSpeedTrainer, rank_and_world
 from training_core.engines.rollout_client import RolloutClient
-from training_core.evaluation import evaluate
+from training_core.evaluation import CORRECT, evaluate
 from training_core.launch import Fleet, start_embedded_fleet
 from training_core.metrics import BATCH_LOG, JsonlSink, MultiSink, truncate_metrics
 from training_core.models.loading import load_tokenizer, run_model_dir
@@ -115,7 +116,7 @@ def batch_metrics(groups, version: int, algo: AlgorithmConfig) -> dict[str, floa
     return {
         "reward/mean": statistics.fmean(rewards),
         "reward/std": statistics.pstdev(rewards),
-        "reward/accuracy": sum(r >= 1.0 - 1e-6 for r in rewards) / len(rewards),
+        "reward/accuracy": sum(r >= CORRECT for r in rewards) / len(rewards),
         "response_length/mean": statistics.fmean(lengths),
         "response_length/max": max(lengths),
         "staleness/mean": statistics.fmean(lags) if lags else 0.0,
@@ -196,13 +197,14 @@ def collective_update(trainer: DeepSpeedTrainer, tb: TrainBatch, algo: Algorithm
 
 
 def checkpoint_if_due(trainer: DeepSpeedTrainer, spec: RunSpec, run_dir: Path, step: int,
-                      version: int, state: dict[str, Any], timers: Timers) -> Path | None:
-    """A collective too: every rank saves its shard at the same steps; rank 0 prunes."""
+                      version: int, state: Callable[[], dict[str, Any]], timers: Timers) -> Path | None:
+    """A collective too: every rank saves its shard at the same steps; rank 0 prunes. ``state``
+    is read only when a checkpoint is due (rank 0's reads the executor under its lock)."""
     if not (spec.checkpoint.every and step % spec.checkpoint.every == 0):
         return None
     with timers("checkpoint"):
         saved = trainer.save_checkpoint(checkpoint_dir(run_dir), f"step{step}",
-                                        {"version": version, "step": step, **state})
+                                        {"version": version, "step": step, **state()})
         if rank_and_world()[0] == 0:
             prune_checkpoints(run_dir, spec.checkpoint.keep)
     return saved
@@ -370,7 +372,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
 
             # 7. Checkpoint, evaluate, log: generation is already running again.
             saved = checkpoint_if_due(trainer, spec, run_dir, step, version,
-                                      executor.resume_state(), timers)
+                                      executor.resume_state, timers)
             if saved is not None:
                 sink.checkpoint(step, version, str(saved.resolve()))
             if spec.eval.every and eval_rows and (step % spec.eval.every == 0
@@ -478,5 +480,5 @@ def follow_rank0(spec: RunSpec, trainer: DeepSpeedTrainer, algo: AlgorithmConfig
             break
         collective_update(trainer, tb, algo, spec, run_dir / "weights" / f"v{version + 1}", timers)
         version += 1
-        checkpoint_if_due(trainer, spec, run_dir, step, version, {}, timers)
+        checkpoint_if_due(trainer, spec, run_dir, step, version, dict, timers)
     return RunResult(run_dir, version, step, None, None, time.perf_counter() - start)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from training_core.imports import import_string
-from training_core.rewards.registry import resolve_reward
+from training_core.rewards.registry import parse_reward_path, resolve_reward
 from training_core.sandbox import JailedWorker, Limits, failure_message
 
 log = logging.getLogger(__name__)
@@ -52,15 +52,10 @@ def module_source(module: str) -> str:
 
 def jailed_reward(fn_path: str, extract: str) -> tuple[dict[str, Any], str | None]:
     """What a jailed worker needs to score ``fn_path``: its spec, and the source of user code."""
-    kind, sep, name = fn_path.partition(":")
+    kind, name = parse_reward_path(fn_path, extract)
     if kind == "builtin":
-        resolve_reward(fn_path, extract)  # fail fast, naming the problem
+        resolve_reward(fn_path, extract)  # fail fast: an unknown built-in or extractor is named
         return {"kind": "builtin", "path": fn_path, "extract": extract}, None
-    if not sep or not name.isidentifier():
-        raise ValueError(f"reward.fn {fn_path!r} must be 'builtin:<name>' or 'module:function'")
-    if extract not in ("auto", "none"):
-        raise ValueError(f"reward.extract {extract!r} applies to built-in rewards only; a "
-                         "function reward gets the raw completion")
     return {"kind": "source", "entrypoint": name}, module_source(kind)
 
 

@@ -33,16 +33,23 @@ class FunctionReward:
         return self.fn(completion, item)
 
 
-def resolve_reward(path: str, extract: str = "auto") -> BuiltinReward | FunctionReward:
-    """The reward at ``path``: a callable with ``extracted(completion)`` for the trajectory view."""
+def parse_reward_path(path: str, extract: str = "auto") -> tuple[str, str]:
+    """``(kind, name)``: ``("builtin", name)`` or ``(module, function)``, with the path's format
+    and the extract option checked (extraction applies to built-in rewards only)."""
     kind, sep, name = path.partition(":")
-    if not sep:
+    if not sep or not name.isidentifier():
         raise ValueError(f"reward.fn {path!r} must be 'builtin:<name>' or 'module:function'")
-    if kind == "builtin":
-        return BuiltinReward(name, extract)
-    if extract not in ("auto", "none"):
+    if kind != "builtin" and extract not in ("auto", "none"):
         raise ValueError(f"reward.extract {extract!r} applies to built-in rewards only; a "
                          "function reward gets the raw completion")
+    return kind, name
+
+
+def resolve_reward(path: str, extract: str = "auto") -> BuiltinReward | FunctionReward:
+    """The reward at ``path``: a callable with ``extracted(completion)`` for the trajectory view."""
+    kind, name = parse_reward_path(path, extract)
+    if kind == "builtin":
+        return BuiltinReward(name, extract)
     fn = import_string(path, field="reward.fn", kind="function")
     if not callable(fn):
         raise ValueError(f"reward.fn {path!r}: {name!r} is not a function")
