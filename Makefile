@@ -40,6 +40,7 @@ bench: venv
 	$(BIN)/python benchmarks/async_vs_sync.py $(ARGS) --out bench-results/async_vs_sync.json
 	$(BIN)/python benchmarks/tracker_ingest.py $(ARGS) --out bench-results/tracker_ingest.json
 	$(BIN)/python benchmarks/reward_jail.py $(ARGS) --out bench-results/reward_jail.json
+	$(BIN)/python benchmarks/weight_sync.py $(ARGS) --out bench-results/weight_sync.json
 
 lint: venv
 	$(BIN)/ruff check .

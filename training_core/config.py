@@ -202,7 +202,11 @@ class RunSpec(_Section):
     eval: EvalSpec = Field(default_factory=EvalSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     orchestration: OrchestrationSpec = Field(default_factory=OrchestrationSpec)
-    weight_sync: Literal["disk", "nccl"] = "disk"
+    weight_sync: Literal["disk", "distributed"] = Field("disk", description=(
+        "How new weights reach the rollout servers. disk: safetensors under the run directory "
+        "and /update_weights_from_disk (servers must share the trainer's filesystem). "
+        "distributed: SGLang's distributed weight update, broadcast over the network from "
+        "trainer rank 0 (gloo on CPU, nccl on GPU); no shared disk needed."))
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunSpec:
@@ -213,11 +217,6 @@ class RunSpec(_Section):
             raise ValueError(
                 f"rollout.group_size 1 gives algorithm.preset {self.algorithm.preset!r} no group "
                 "baseline (every advantage is 0): use group_size >= 2, or preset ppo_kl")
-        if self.weight_sync == "nccl":
-            # /init_weights_update_group + /update_weights_from_distributed are not wired into the
-            # trainer yet: refuse instead of silently falling back to disk.
-            raise ValueError("weight_sync 'nccl' is not implemented yet; use 'disk' (works with "
-                             "SGLang and the embedded server)")
         return self
 
 

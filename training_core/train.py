@@ -17,7 +17,6 @@ import asyncio
 import json
 import logging
 import random
-import shutil
 import statistics
 import time
 from collections import defaultdict
@@ -39,7 +38,6 @@ from training_core.checkpoint import (
     checkpoint_dir,
     latest_checkpoint,
     prune_checkpoints,
-    pushed_weights,
 )
 from training_core.config import RunSpec, dump_spec
 from training_core.data.datasets import PromptLoader, load_data
@@ -52,6 +50,7 @@ from training_core.models.loading import load_tokenizer, run_model_dir
 from training_core.rewards.pool import RewardPool
 from training_core.rollout import Batch, RolloutExecutor
 from training_core.staleness import StalenessManager
+from training_core.weight_sync import WeightSync, make_weight_sync
 from training_core.workflows import load_workflow
 from training_core.workflows.base import WorkflowContext
 
@@ -168,19 +167,19 @@ class Resumed:
     tag: str
 
 
-def restore(trainer: DeepSpeedTrainer, run_dir: Path) -> Resumed | None:
+def restore(trainer: DeepSpeedTrainer, run_dir: Path, sync: WeightSync) -> Resumed | None:
     """Load the latest complete checkpoint and export its weights (every rank takes part: under
     ZeRO-3 the export gathers). None when there is none."""
     found = latest_checkpoint(run_dir)
     if not found:
         return None
     state = trainer.load_checkpoint(checkpoint_dir(run_dir), found[1])
-    trainer.save_weights(run_dir / "weights" / f"v{state['version']}")
+    sync.export(trainer, state["version"])
     return Resumed(state["version"], state["step"] + 1, state, found[1])
 
 
 def collective_update(trainer: DeepSpeedTrainer, tb: TrainBatch, algo: AlgorithmConfig,
-                      spec: RunSpec, weights_dir: Path, timers: Timers) -> dict[str, float]:
+                      spec: RunSpec, sync: WeightSync, version: int, timers: Timers) -> dict[str, float]:
     """Steps 3-5 of the loop: the part every rank runs, in this order, because each call holds
     collectives (gradient all-reduce, ZeRO gathers for the export)."""
     # 3. Proximal logprobs: the policy right before this update, by a trainer forward.
@@ -192,7 +191,7 @@ def collective_update(trainer: DeepSpeedTrainer, tb: TrainBatch, algo: Algorithm
                                    ref_logp=ref)
     # 5. Export the new weights (generation keeps running meanwhile).
     with timers("export_weights"):
-        trainer.save_weights(weights_dir)
+        sync.export(trainer, version)
     return stats
 
 
@@ -261,11 +260,12 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
         temperature=spec.rollout.temperature, micro_batch_tokens=spec.trainer.micro_batch_tokens,
         keep_reference=algo.kl_coef > 0)
     rank, world = rank_and_world()
+    sync = make_weight_sync(spec.weight_sync, run_dir)
     if rank != 0:  # data-parallel ranks train on their shard; rank 0 owns everything else
-        return follow_rank0(spec, trainer, algo, run_dir, resume=bool(resume_dir))
+        return follow_rank0(spec, trainer, algo, run_dir, sync, resume=bool(resume_dir))
 
     # ---- resume: weights, optimizer, RNG, version, step; the prompt stream below -----------------
-    resumed = restore(trainer, run_dir) if resume_dir else None
+    resumed = restore(trainer, run_dir, sync) if resume_dir else None
     version, first_step = (resumed.version, resumed.first_step) if resumed else (0, 1)
 
     fleet: Fleet | None = None
@@ -285,7 +285,10 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
                                  max_concurrent=spec.rollout.max_concurrent)
     loader = PromptLoader(data.train, spec.seed)
     sink = sink or make_sinks(spec, run_dir)
-    weights_root = run_dir / "weights"
+    # Control calls (pause, weight load, resume) get their own event loop in this thread: the
+    # executor's loop is busy with hundreds of in-flight requests and would delay them.
+    control = asyncio.new_event_loop()
+    control.run_until_complete(sync.connect(client))
 
     if resumed is not None:
         # Prompts in flight or buffered at the checkpoint were never trained on: hand them out
@@ -294,19 +297,16 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
         loader.restore(state["loader_position"], state.get("pending_prompts"))
         staleness.recover(version)
         dropped = truncate_metrics(run_dir, state["step"])
-        asyncio.run(_push_weights(client, weights_root / f"v{version}", version, close=True))
+        control.run_until_complete(_push_weights(client, sync, version))
         sink.event("resumed", f"resumed from {resumed.tag} at version {version}",
                    step=state["step"], discarded_metric_lines=dropped,
                    requeued_prompts=len(state.get("pending_prompts", [])))
     else:
-        asyncio.run(_check_versions(client, 0))
+        control.run_until_complete(client.check_versions(0))
         if resume_dir:
             truncate_metrics(run_dir, 0)
             sink.event("resumed", "no complete checkpoint; starting from step 1")
     client.set_version(version)
-    # Control calls (pause, weight load, resume) get their own event loop in this thread: the
-    # executor's loop is busy with hundreds of in-flight requests and would delay them.
-    control = asyncio.new_event_loop()
 
     sampling = SamplingParams(max_new_tokens=spec.rollout.max_new_tokens,
                               temperature=spec.rollout.temperature, top_p=spec.rollout.top_p,
@@ -359,16 +359,14 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
                 tb = scatter_batch(tb, world)  # this rank's share (all of it with one process)
 
             # 3-5. Proximal logprobs, update, weight export: on every rank (collective_update).
-            weights = weights_root / f"v{version + 1}"
-            stats = collective_update(trainer, tb, algo, spec, weights, timers)
+            stats = collective_update(trainer, tb, algo, spec, sync, version + 1, timers)
 
             # 6. Pause generation only for the load: in-flight requests abort and are re-submitted
             #    with their partial output by the client once generation continues.
             with timers("weight_sync_pause"):
-                control.run_until_complete(_push_weights(client, weights, version + 1))
+                control.run_until_complete(_push_weights(client, sync, version + 1))
             version += 1
             executor.kick()  # the staleness bound just moved: start more episodes
-            _prune_weights(run_dir, keep_version=version)
 
             # 7. Checkpoint, evaluate, log: generation is already running again.
             saved = checkpoint_if_due(trainer, spec, run_dir, step, version,
@@ -406,7 +404,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
     finally:
         bar.close()
         batch_log.close()
-        control.run_until_complete(client.aclose())
+        control.run_until_complete(_close_control(client, sync))
         control.close()
         executor.stop()
         rewards.close()
@@ -416,19 +414,17 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
     return RunResult(run_dir, version, step, first_eval, last_eval, time.perf_counter() - wall_start)
 
 
-async def _push_weights(client: RolloutClient, path: Path, version: int, close: bool = False) -> None:
+async def _push_weights(client: RolloutClient, sync: WeightSync, version: int) -> None:
     await client.pause()
     try:
-        await client.update_weights_from_disk(str(path.resolve()), version)
+        await sync.push(client, version)
     finally:
         await client.resume()
-        if close:
-            await client.aclose()
 
 
-async def _check_versions(client: RolloutClient, version: int) -> None:
+async def _close_control(client: RolloutClient, sync: WeightSync) -> None:
     try:
-        await client.check_versions(version)
+        await sync.close(client)
     finally:
         await client.aclose()
 
@@ -437,13 +433,6 @@ def server_seed(seed: int, version: int) -> int:
     """The embedded servers' sampling seed: the run's seed at the start, a different one for
     each version a run resumes at (deterministic, so a resumed run is reproducible)."""
     return seed if version == 0 else (seed * 1_000_003 + version * 7_919) % 2**31
-
-
-def _prune_weights(run_dir: Path, keep_version: int) -> None:
-    # Keep the live version and the one before (a server may still be reading it).
-    for v, d in pushed_weights(run_dir):
-        if v < keep_version - 1:
-            shutil.rmtree(d, ignore_errors=True)
 
 
 def scatter_batch(tb: TrainBatch | None, world: int) -> TrainBatch | None:
@@ -465,12 +454,12 @@ def scatter_batch(tb: TrainBatch | None, world: int) -> TrainBatch | None:
 
 
 def follow_rank0(spec: RunSpec, trainer: DeepSpeedTrainer, algo: AlgorithmConfig, run_dir: Path,
-                 *, resume: bool) -> RunResult:
+                 sync: WeightSync, *, resume: bool) -> RunResult:
     """The loop of ranks other than 0: the same collective calls in the same order as rank 0
     (restore, collective_update, checkpoint_if_due), on the shard rank 0 sends."""
     start = time.perf_counter()
     _, world = rank_and_world()
-    resumed = restore(trainer, run_dir) if resume else None
+    resumed = restore(trainer, run_dir, sync) if resume else None
     version, first_step = (resumed.version, resumed.first_step) if resumed else (0, 1)
     timers = Timers()  # rank 0 reports the timings
     step = first_step - 1
@@ -478,7 +467,7 @@ def follow_rank0(spec: RunSpec, trainer: DeepSpeedTrainer, algo: AlgorithmConfig
         tb = scatter_batch(None, world)
         if tb is None:
             break
-        collective_update(trainer, tb, algo, spec, run_dir / "weights" / f"v{version + 1}", timers)
+        collective_update(trainer, tb, algo, spec, sync, version + 1, timers)
         version += 1
         checkpoint_if_due(trainer, spec, run_dir, step, version, dict, timers)
     return RunResult(run_dir, version, step, None, None, time.perf_counter() - start)

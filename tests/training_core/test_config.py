@@ -52,9 +52,11 @@ def test_resolved_spec_round_trips(tmp_path):
     assert load_spec(tmp_path / "spec.yaml") == spec
 
 
-def test_nccl_weight_sync_is_refused_not_silently_replaced():
-    with pytest.raises(SpecError, match="not implemented yet"):
-        load_spec(None, ["weight_sync=nccl", "rollout.backend=sglang"])
+def test_weight_sync_names_its_choices():
+    # "nccl" was the old name of "distributed" (which picks nccl or gloo by device).
+    with pytest.raises(SpecError, match="'disk' or 'distributed'.*'nccl'"):
+        load_spec(None, ["weight_sync=nccl"])
+    assert load_spec(None, ["weight_sync=distributed"]).weight_sync == "distributed"
 
 
 def test_config_checks_from_the_engine_review():

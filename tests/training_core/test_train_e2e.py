@@ -59,6 +59,39 @@ def test_async_steps_versions_staleness_and_weights_reach_the_server(tiny_model_
     assert kinds[0] == "started" and kinds[-1] == "finished"
 
 
+@pytest.mark.slow
+def test_distributed_weight_sync_runs_and_resumes_without_a_weights_folder(tiny_model_dir, tmp_path):
+    """weight_sync: distributed end to end on two servers: every version reaches both over the
+    process group (the servers never load from a path), and a resumed run rebuilds the group
+    and pushes the checkpoint's weights before generating."""
+    from training_core.train import train
+
+    fleets = [start_server(tiny_model_dir, tmp_path / f"server{i}.log", seed=i) for i in range(2)]
+    urls = [url for _, url in fleets]
+    run_dir = tmp_path / "run"
+    base = SMALL + [f"run_dir={run_dir}", f"rollout.server_urls=[{','.join(urls)}]",
+                    "weight_sync=distributed", "checkpoint.every=2", "eval.every=0"]
+    try:
+        train(load_spec(None, [*base, "trainer.steps=2"]), progress=False)
+        first = [httpx.get(u + "/model_info").json() for u in urls]
+        train(load_spec(None, [*base, "trainer.steps=3"]), resume_dir=run_dir, progress=False)
+        second = [httpx.get(u + "/model_info").json() for u in urls]
+    finally:
+        for fleet, _ in fleets:
+            fleet.stop()
+
+    assert [i["weight_version"] for i in first] == ["2", "2"]
+    assert [i["weight_version"] for i in second] == ["3", "3"]
+    assert all(i["model_path"] == str(tiny_model_dir) for i in first + second), "no disk loads"
+    assert not (run_dir / "weights").exists()
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows if r["step"] > 0] == [1, 2, 3]
+    assert all(r["time/weight_sync_pause_s"] > 0 for r in rows if r["step"] > 0)
+    versions = {v for line in (run_dir / "trajectories.jsonl").open()
+                for v in json.loads(line)["token_versions"]}
+    assert versions <= {0, 1, 2}, "step 3 trains on samples of versions the servers received"
+
+
 def _train_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "training_core.cli", "train", "--no-progress", *args]
 

@@ -232,29 +232,35 @@ class DeepSpeedTrainer:
 
     # ---- weights and checkpoints ------------------------------------------------------------
 
-    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The full weights the rollout servers load, in ``state_dict`` order, on the trainer's
+        device; a tied ``lm_head.weight`` is left out (the servers re-tie on load). A collective
+        under ZeRO-3 (every rank gathers and gets copies); under ZeRO 0-2 views of the live
+        parameters, valid until the next update."""
+        module = self.engine.module
         if self.zero_stage == 3:
             import deepspeed
 
-            params = list(self.engine.module.parameters())
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                return {k: v.detach().cpu().clone() for k, v in self.engine.module.state_dict().items()}
-        return {k: v.detach().cpu().contiguous() for k, v in self.engine.module.state_dict().items()}
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        else:
+            state = {k: v.detach() for k, v in module.state_dict().items()}
+        if self.tied:
+            state.pop("lm_head.weight", None)
+        return state
 
     def save_weights(self, path: str | Path) -> Path:
         """Write safetensors the rollout servers load (atomic: tmp dir, then rename)."""
         from safetensors.torch import save_file
 
         path = Path(path)
-        state = self._full_state_dict()  # every rank takes part (ZeRO-3 gathers)
+        state = self.weights()  # every rank takes part (ZeRO-3 gathers)
         if rank_and_world()[0] != 0:
             return path
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        if self.tied:  # safetensors refuses shared storage; the server re-ties on load
-            state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"))
+        save_file({k: v.cpu().contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
         return path

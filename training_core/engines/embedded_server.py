@@ -29,6 +29,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from training_core.engines.generation_engine import GenerationEngine, Seq
+from training_core.engines.weight_group import (
+    DEFAULT_GROUP_NAME,
+    destroy_weight_update_group,
+    init_weight_update_group,
+)
 
 # -------------------------------------------------------------------------------------------
 # Request models
@@ -95,6 +100,43 @@ class UpdateWeightFromDiskReqIn(BaseModel):
     abort_all_requests: bool = False
     weight_version: str | None = None
     flush_cache: bool = True
+
+
+class InitWeightsUpdateGroupReqIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = DEFAULT_GROUP_NAME
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedReqIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = DEFAULT_GROUP_NAME
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+class DestroyWeightsUpdateGroupReqIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    group_name: str = DEFAULT_GROUP_NAME
+
+
+class GetWeightsByNameReqIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    truncate_size: int = 100
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -172,15 +214,62 @@ def create_app(engine: GenerationEngine) -> FastAPI:
                                          body.weight_version, abort_first=body.abort_all_requests)
         return JSONResponse(result, status_code=200 if result["success"] else 400)
 
+    # ---- weights over the network (SGLang's distributed weight update) ----------------------
+    groups: dict[str, Any] = {}
+
     @app.post("/init_weights_update_group")
-    async def init_weights_update_group():
-        return _error(501, "distributed weight sync is not implemented by the embedded server; "
-                           "use weight_sync: disk")
+    async def init_weights_update_group(body: InitWeightsUpdateGroupReqIn):
+        if body.group_name in groups:
+            return JSONResponse({"success": False, "message": f"group {body.group_name!r} exists; "
+                                 "destroy it first"}, status_code=400)
+        # SGLang's backend default is nccl: a CPU engine can only speak gloo.
+        backend = body.backend if engine.device.type == "cuda" else "gloo"
+        try:  # blocks until every rank has joined, so off the event loop
+            groups[body.group_name] = await asyncio.to_thread(
+                init_weight_update_group, master_address=body.master_address,
+                master_port=body.master_port, rank=body.rank_offset, world_size=body.world_size,
+                group_name=body.group_name, backend=backend)
+        except Exception as exc:
+            return JSONResponse({"success": False, "message": f"failed to join weight update "
+                                 f"group: {type(exc).__name__}: {exc}"}, status_code=400)
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed():
-        return _error(501, "distributed weight sync is not implemented by the embedded server; "
-                           "use weight_sync: disk")
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedReqIn):
+        group = groups.get(body.group_name)
+        if group is None:
+            return JSONResponse({"success": False, "message": f"no weight update group "
+                                 f"{body.group_name!r}: call /init_weights_update_group first"},
+                                status_code=400)
+        if not len(body.names) == len(body.dtypes) == len(body.shapes):
+            return _error(400, "names, dtypes and shapes must have the same length")
+        if body.load_format not in (None, "flattened_bucket"):
+            return _error(400, f"load_format: {body.load_format!r} is not supported here "
+                               "(null: one broadcast per tensor, or 'flattened_bucket')")
+        result = await asyncio.to_thread(
+            engine.update_weights_from_group, group, body.names, body.dtypes, body.shapes,
+            body.weight_version, flattened=body.load_format == "flattened_bucket",
+            abort_first=body.abort_all_requests)
+        return JSONResponse(result, status_code=200 if result["success"] else 400)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupReqIn | None = None):
+        name = (body or DestroyWeightsUpdateGroupReqIn()).group_name
+        group = groups.pop(name, None)
+        if group is None:
+            return JSONResponse({"success": False, "message": f"no group {name!r}"}, status_code=400)
+        await asyncio.to_thread(destroy_weight_update_group, group)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    @app.post("/get_weights_by_name")
+    @app.get("/get_weights_by_name")
+    async def get_weights_by_name(body: GetWeightsByNameReqIn):
+        # Read between decode steps would race the engine thread; the parameters only change
+        # under the writer lock, and a tensor read here is a copy.
+        params = dict(engine.model.named_parameters(remove_duplicate=False))
+        if body.name not in params:
+            return _error(400, f"name: no parameter {body.name!r}")
+        return params[body.name].detach()[: body.truncate_size].float().cpu().tolist()
 
     @app.post("/flush_cache")
     async def flush_cache():
@@ -210,7 +299,7 @@ def create_app(engine: GenerationEngine) -> FastAPI:
     @app.get("/server_info")
     @app.get("/get_server_info")  # deprecated in SGLang, still served
     async def server_info():
-        return {"version": "oolong-embedded", "context_length": engine.context_len,
+        return {"version": "oolong-embedded", "context_length": engine.context_len, "tp_size": 1,
                 **engine.stats()}
 
     return app

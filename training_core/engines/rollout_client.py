@@ -300,10 +300,67 @@ class RolloutClient:
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         results = await self._all("/update_weights_from_disk",
                                   {"model_path": path, "weight_version": str(version)})
-        bad = [r for r in results if not r.get("success", False)]
-        if bad:
-            raise RolloutServerError(f"weight update failed: {bad[0].get('message')}")
+        _check_all("update_weights_from_disk", self.servers, results)
         self._version = version
+
+    # ---- weights over the network (SGLang's distributed weight update) ----------------------
+
+    async def tp_sizes(self) -> list[int]:
+        """Each server's tensor-parallel size (its ranks in the weight update group)."""
+        infos = await asyncio.gather(*[self._get(s, "/server_info") for s in self.servers])
+        return [int(info.get("tp_size") or 1) for info in infos]
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int,
+                                        rank_offsets: list[int], world_size: int,
+                                        group_name: str, backend: str) -> None:
+        """Ask every server to join; returns once all have (the trainer's rank 0 joins
+        concurrently, or this never returns)."""
+        async def join(server: _Server, offset: int) -> dict:
+            return await self._post(server, "/init_weights_update_group", {
+                "master_address": master_address, "master_port": master_port,
+                "rank_offset": offset, "world_size": world_size, "group_name": group_name,
+                "backend": backend})
+
+        results = await asyncio.gather(
+            *[join(s, o) for s, o in zip(self.servers, rank_offsets, strict=True)])
+        _check_all("init_weights_update_group", self.servers, results)
+
+    async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], group_name: str,
+                                              version: int | None, flush_cache: bool,
+                                              load_format: str | None = None) -> None:
+        """Announce one bucket; the servers then receive it by broadcast. ``version`` goes with
+        the last bucket only, so a server reports the new version once it has all of it."""
+        payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes,
+                                   "group_name": group_name, "flush_cache": flush_cache}
+        if version is not None:
+            payload["weight_version"] = str(version)
+        if load_format is not None:
+            payload["load_format"] = load_format
+        results = await asyncio.gather(
+            *[self._post(s, "/update_weights_from_distributed", payload) for s in self.servers])
+        _check_all("update_weights_from_distributed", self.servers, results)
+        if version is not None:
+            self._version = version
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        results = await asyncio.gather(
+            *[self._post(s, "/destroy_weights_update_group", {"group_name": group_name})
+              for s in self.servers], return_exceptions=True)
+        for server, result in zip(self.servers, results, strict=True):
+            if isinstance(result, BaseException):  # best effort: the group dies with the run
+                log.warning("destroy_weights_update_group on %s: %s", server.url, result)
+
+    async def weight_update_bracket(self, path: str) -> bool:
+        """``/begin_weight_update`` or ``/end_weight_update`` where the SGLang version has them;
+        False (and nothing done) on a 404."""
+        try:
+            await self._all(path)
+        except RolloutServerError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
 
     async def weight_versions(self) -> list[str]:
         """Each server's ``weight_version`` from ``GET /model_info`` (SGLang >= 0.5.2x; the older
@@ -331,3 +388,10 @@ def _parse_version(value: object, fallback: int) -> int:
         return int(str(value))
     except (TypeError, ValueError):
         return fallback
+
+
+def _check_all(call: str, servers: list[_Server], results: list[Any]) -> None:
+    for server, result in zip(servers, results, strict=True):
+        if not (isinstance(result, dict) and result.get("success", False)):
+            message = result.get("message") if isinstance(result, dict) else result
+            raise RolloutServerError(f"{call} failed on {server.url}: {message}")

@@ -1,0 +1,90 @@
+"""The process group that carries weights from trainer rank 0 to the rollout servers.
+
+SGLang's ``/init_weights_update_group`` builds it with its ``init_custom_process_group``: a
+``tcp://master_address:master_port`` rendezvous (the trainer's rank 0 hosts the store), the store
+prefixed with the group name, and a backend created beside (not inside) the default process
+group, so a trainer that already has its own data-parallel group can join it too. Both sides
+here build it the same way, so the trainer can talk to a real SGLang server and the embedded
+server behaves like one.
+
+World: rank 0 is the trainer, server ``i`` holds ranks ``rank_offset .. rank_offset + tp - 1``.
+The backend is gloo for CPU tensors and nccl for CUDA ones (one code path, chosen by device).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default for every *WeightsUpdateGroup* call
+
+
+def backend_for(device: torch.device | str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_weight_update_group(*, master_address: str, master_port: int, rank: int,
+                             world_size: int, group_name: str = DEFAULT_GROUP_NAME,
+                             backend: str = "gloo", timeout_s: float = 300.0) -> dist.ProcessGroup:
+    """Join the group; blocks until all ``world_size`` ranks have joined (or the timeout)."""
+    timeout = timedelta(seconds=timeout_s)
+    # The store torch's tcp:// rendezvous would make, built directly: under torchrun that
+    # rendezvous hands rank 0 a client of the launcher's store (TORCHELASTIC_USE_AGENT_STORE)
+    # instead of hosting this group's own, and nobody would listen at master_port.
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
+                          timeout=timeout, wait_for_workers=False)
+    store = dist.PrefixStore(group_name, store)
+    group, _ = c10d._new_process_group_helper(
+        world_size, rank, [], dist.Backend(backend), store, group_name=group_name, timeout=timeout)
+    # Group ranks are global ranks in this group's own world (what broadcast's ``src`` means).
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def destroy_weight_update_group(group: dist.ProcessGroup | None) -> None:
+    if group is not None:
+        dist.destroy_process_group(group)
+
+
+def broadcast_from_trainer(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
+    """One broadcast per tensor, in order, from rank 0 (the trainer sends, servers receive into
+    the tensors they allocated from ``names``/``dtypes``/``shapes``)."""
+    handles = [dist.broadcast(t, group=group, group_src=0, async_op=True) for t in tensors]
+    for h in handles:
+        h.wait()
+
+
+# SGLang's ``load_format: "flattened_bucket"``: a bucket's tensors travel as one uint8 buffer,
+# each tensor's bytes back to back in ``names`` order (its FlattenedTensorBucket): one collective
+# per bucket instead of one per tensor.
+
+def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+def flatten(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    if out is not None and out.numel() == sum(p.numel() for p in parts):
+        return torch.cat(parts, out=out)
+    return torch.cat(parts)
+
+
+def flat_nbytes(dtypes: list[torch.dtype], shapes: list[list[int]]) -> int:
+    return sum(_nbytes(d, s) for d, s in zip(dtypes, shapes, strict=True))
+
+
+def unflatten(flat: torch.Tensor, dtypes: list[torch.dtype],
+              shapes: list[list[int]]) -> list[torch.Tensor]:
+    """Views into ``flat`` (no copy), one per announced tensor."""
+    out, start = [], 0
+    for dtype, shape in zip(dtypes, shapes, strict=True):
+        end = start + _nbytes(dtype, shape)
+        out.append(flat[start:end].view(dtype).reshape(shape))
+        start = end
+    return out

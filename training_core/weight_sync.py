@@ -1,0 +1,264 @@
+"""How new weights reach the rollout servers (``weight_sync`` in the run spec).
+
+Two steps, split because they run at different moments of the loop (train.py):
+
+1. ``export(trainer, version)`` right after the update, on every trainer rank (under ZeRO-3 the
+   full weights are a gather all ranks join), while generation keeps running.
+2. ``push(client, version)`` on rank 0 only, while the servers are paused.
+
+``disk``: export writes safetensors under the run directory, push is SGLang's
+``/update_weights_from_disk`` with its path. Needs a filesystem the servers share with the trainer.
+
+``distributed``: SGLang's distributed weight update, over the network. Rank 0 and every server
+join one process group (``/init_weights_update_group``: world = 1 + the servers' tensor-parallel
+sizes, server i at rank offset 1 + the sizes before it). A push announces a bucket of tensors
+(``/update_weights_from_distributed`` with names, dtypes, shapes) and broadcasts them from rank 0
+in exactly that order, bucket after bucket; the last bucket carries the new ``weight_version``.
+By default a bucket travels as one flat byte buffer (SGLang's ``load_format:
+"flattened_bucket"``), flattened at export time so the pause holds only the transfer. Backend
+gloo for CPU tensors, nccl for CUDA ones. Nothing touches a disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import shutil
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+from urllib.parse import urlparse
+
+import torch
+
+from training_core.checkpoint import pushed_weights
+from training_core.engines.rollout_client import RolloutClient, RolloutServerError
+from training_core.engines.weight_group import (
+    DEFAULT_GROUP_NAME,
+    backend_for,
+    broadcast_from_trainer,
+    destroy_weight_update_group,
+    flatten,
+    init_weight_update_group,
+)
+from training_core.launch import free_port
+
+if TYPE_CHECKING:
+    from training_core.engines.deepspeed_trainer import DeepSpeedTrainer
+
+BUCKET_BYTES = 1 << 30  # per /update_weights_from_distributed call: bounds a server's staging
+# A node announces the address other nodes reach it at (set by the node's worker); otherwise the
+# address this machine uses to reach the first server.
+NODE_ADDRESS_ENV = "OOLONG_NODE_ADDRESS"
+
+
+class WeightSync(Protocol):
+    def export(self, trainer: DeepSpeedTrainer, version: int) -> None: ...
+    async def connect(self, client: RolloutClient) -> None: ...
+    async def push(self, client: RolloutClient, version: int) -> None: ...
+    async def close(self, client: RolloutClient) -> None: ...
+
+
+def make_weight_sync(kind: str, run_dir: Path) -> WeightSync:
+    if kind == "disk":
+        return DiskSync(run_dir / "weights")
+    if kind == "distributed":
+        return DistributedSync()
+    raise ValueError(f"weight_sync: unknown kind {kind!r} (disk or distributed)")
+
+
+class DiskSync:
+    def __init__(self, root: Path):
+        self.root = root
+
+    def path(self, version: int) -> Path:
+        return self.root / f"v{version}"
+
+    def export(self, trainer: DeepSpeedTrainer, version: int) -> None:
+        trainer.save_weights(self.path(version))
+
+    async def connect(self, client: RolloutClient) -> None:
+        return None
+
+    async def push(self, client: RolloutClient, version: int) -> None:
+        await client.update_weights_from_disk(str(self.path(version).resolve()), version)
+        # Keep the live version and the one before (a server may still be reading it).
+        for v, d in pushed_weights(self.root.parent):
+            if v < version - 1:
+                shutil.rmtree(d, ignore_errors=True)
+
+    async def close(self, client: RolloutClient) -> None:
+        return None
+
+
+@dataclass
+class _Bucket:
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    tensors: list[torch.Tensor]  # one flat uint8 buffer when flattened
+
+
+class DistributedSync:
+    def __init__(self, *, group_name: str = DEFAULT_GROUP_NAME, bucket_bytes: int = BUCKET_BYTES,
+                 flatten: bool = True, timeout_s: float = 300.0):
+        self.group_name = group_name
+        self.bucket_bytes = bucket_bytes
+        # SGLang's load_format "flattened_bucket": one broadcast per bucket, not per tensor.
+        self.flatten = flatten
+        self.timeout_s = timeout_s
+        self.group: torch.distributed.ProcessGroup | None = None
+        self.world_size = 0
+        self._buckets: list[_Bucket] = []
+        self._flat: list[torch.Tensor] = []
+        self._version: int | None = None
+        self._bracket: bool | None = None  # does the server have /begin_weight_update?
+
+    def export(self, trainer: DeepSpeedTrainer, version: int) -> None:
+        """Every rank (a collective under ZeRO-3); rank 0 keeps the bucketed weights. The flat
+        copies are made here, while generation still runs, not in the pause."""
+        from training_core.engines.deepspeed_trainer import rank_and_world
+
+        weights = trainer.weights()
+        if rank_and_world()[0] != 0:
+            return
+        buckets = _buckets(list(weights.items()), self.bucket_bytes)
+        # The flat buffers are reused from version to version (already paged in).
+        self._flat = [flatten([t for _, t in b], out=self._flat[i] if i < len(self._flat) else None)
+                      for i, b in enumerate(buckets)] if self.flatten else []
+        self._buckets = [
+            _Bucket([n for n, _ in b], [_dtype_name(t) for _, t in b], [list(t.shape) for _, t in b],
+                    [self._flat[i]] if self.flatten else [t.contiguous() for _, t in b])
+            for i, b in enumerate(buckets)]
+        self._version = version
+
+    @property
+    def device(self) -> torch.device:
+        if self._buckets:
+            return self._buckets[0].tensors[0].device
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    async def connect(self, client: RolloutClient) -> None:
+        """Build the group: the servers' joins and rank 0's own, concurrently (each blocks until
+        every rank is in). Call again after a server restarts (it lost its membership)."""
+        await self.close(client)
+        tp = await client.tp_sizes()
+        offsets = [1 + sum(tp[:i]) for i in range(len(tp))]
+        world = 1 + sum(tp)
+        address = node_address(client.servers[0].url)
+        port = free_port()
+        backend = backend_for(self.device)
+        own = _ThreadResult(functools.partial(
+            init_weight_update_group, master_address=address, master_port=port, rank=0,
+            world_size=world, group_name=self.group_name, backend=backend,
+            timeout_s=self.timeout_s))
+        joins = asyncio.ensure_future(client.init_weights_update_group(
+            master_address=address, master_port=port, rank_offsets=offsets, world_size=world,
+            group_name=self.group_name, backend=backend))
+        await _both(joins, own, "init_weights_update_group")
+        self.group, self.world_size = own.result(), world
+
+    async def push(self, client: RolloutClient, version: int) -> None:
+        if self.group is None:
+            raise RolloutServerError("weight_sync distributed: no weight update group (connect)")
+        if self._version != version:
+            raise RuntimeError(f"weights of version {self._version} exported, {version} pushed")
+        if self._bracket is None:
+            self._bracket = await client.weight_update_bracket("/begin_weight_update")
+        elif self._bracket:
+            await client.weight_update_bracket("/begin_weight_update")
+        for i, bucket in enumerate(self._buckets):
+            last = i == len(self._buckets) - 1
+            announce = asyncio.ensure_future(client.update_weights_from_distributed(
+                names=bucket.names, dtypes=bucket.dtypes, shapes=bucket.shapes,
+                group_name=self.group_name, version=version if last else None, flush_cache=last,
+                load_format="flattened_bucket" if self.flatten else None))
+            sent = _ThreadResult(functools.partial(broadcast_from_trainer, self.group,
+                                                   bucket.tensors))
+            await _both(announce, sent, "update_weights_from_distributed")
+        if self._bracket:
+            await client.weight_update_bracket("/end_weight_update")
+        self._buckets = []
+
+    async def close(self, client: RolloutClient) -> None:
+        if self.group is None:
+            return
+        await client.destroy_weights_update_group(self.group_name)
+        destroy_weight_update_group(self.group)
+        self.group = None
+
+
+def node_address(server_url: str) -> str:
+    """The address the servers reach this trainer at: ``$OOLONG_NODE_ADDRESS``, else the local
+    address of the route to the first server (no packet is sent)."""
+    if os.environ.get(NODE_ADDRESS_ENV):
+        return os.environ[NODE_ADDRESS_ENV]
+    parsed = urlparse(server_url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((parsed.hostname or "127.0.0.1", parsed.port or 80))
+        return s.getsockname()[0]
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")  # SGLang's form: "bfloat16", "float32"
+
+
+def _buckets(items: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tuple[str, torch.Tensor]]]:
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        if buckets[-1] and size + nbytes > limit:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, t))
+        size += nbytes
+    return buckets
+
+
+class _ThreadResult:
+    """A blocking collective run on a daemon thread (a broadcast that a dead server never joins
+    must not keep the process alive at exit), awaitable from the control loop."""
+
+    def __init__(self, fn):
+        self._loop = asyncio.get_running_loop()
+        self.future: asyncio.Future = self._loop.create_future()
+        threading.Thread(target=self._run, args=(fn,), daemon=True, name="weight-sync").start()
+
+    def _run(self, fn) -> None:
+        try:
+            value = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
+            self._loop.call_soon_threadsafe(_settle, self.future, None, exc)
+        else:
+            self._loop.call_soon_threadsafe(_settle, self.future, value, None)
+
+    def result(self):
+        return self.future.result()
+
+
+def _settle(future: asyncio.Future, value, exc) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(value)
+
+
+async def _both(http: asyncio.Future, local: _ThreadResult, call: str) -> None:
+    """Wait for the servers' replies and rank 0's side; the first failure fails the sync (the
+    other side may be stuck in the collective until the group's timeout)."""
+    done, _ = await asyncio.wait([http, local.future], return_when=asyncio.FIRST_EXCEPTION)
+    for f in done:
+        if f.exception() is not None:
+            http.cancel()
+            exc = f.exception()
+            if isinstance(exc, RolloutServerError):
+                raise exc
+            raise RolloutServerError(f"{call}: {type(exc).__name__}: {exc}") from exc
+    await http
+    await local.future
