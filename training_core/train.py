@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import statistics
 import time
@@ -39,9 +40,10 @@ from training_core.checkpoint import (
     latest_checkpoint,
     prune_checkpoints,
 )
+from training_core.checkpoint_store import CheckpointStore
 from training_core.config import RunSpec, dump_spec
 from training_core.data.datasets import PromptLoader, load_data
-from training_core.engines.deepspeed_trainer import DeepSpeedTrainer, rank_and_world
+from training_core.engines.deepspeed_trainer import DeepSpeedTrainer, barrier, rank_and_world
 from training_core.engines.rollout_client import RolloutClient
 from training_core.evaluation import CORRECT, evaluate
 from training_core.launch import Fleet, start_embedded_fleet
@@ -167,10 +169,21 @@ class Resumed:
     tag: str
 
 
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def restore(trainer: DeepSpeedTrainer, run_dir: Path, sync: WeightSync) -> Resumed | None:
     """Load the latest complete checkpoint and export its weights (every rank takes part: under
     ZeRO-3 the export gathers). None when there is none."""
     found = latest_checkpoint(run_dir)
+    store = CheckpointStore.from_env(run_dir)
+    stored = store.latest() if store is not None else None
+    if stored is not None and (found is None or stored[0] > found[0]):
+        if local_rank() == 0:  # fresh nodes: one download per node
+            store.download(stored[1], checkpoint_dir(run_dir))
+        barrier()
+        found = stored
     if not found:
         return None
     state = trainer.load_checkpoint(checkpoint_dir(run_dir), found[1])
@@ -201,11 +214,21 @@ def checkpoint_if_due(trainer: DeepSpeedTrainer, spec: RunSpec, run_dir: Path, s
     is read only when a checkpoint is due (rank 0's reads the executor under its lock)."""
     if not (spec.checkpoint.every and step % spec.checkpoint.every == 0):
         return None
+    tag = f"step{step}"
     with timers("checkpoint"):
-        saved = trainer.save_checkpoint(checkpoint_dir(run_dir), f"step{step}",
+        saved = trainer.save_checkpoint(checkpoint_dir(run_dir), tag,
                                         {"version": version, "step": step, **state()})
         if rank_and_world()[0] == 0:
             prune_checkpoints(run_dir, spec.checkpoint.keep)
+    store = CheckpointStore.from_env(run_dir)
+    if store is not None:  # durable copy: every node its files, then rank 0 the marker
+        with timers("checkpoint_upload"):
+            if local_rank() == 0:  # the ranks of one node share its run directory
+                store.upload(saved, tag)
+            barrier()
+            if rank_and_world()[0] == 0:
+                store.mark_complete(tag)
+                store.prune(spec.checkpoint.keep)
     return saved
 
 

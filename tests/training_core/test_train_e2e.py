@@ -195,3 +195,31 @@ def test_stop_and_resume_trains_on_the_same_prompts_as_an_uninterrupted_run(tmp_
     # (test_rollout_executor checks the requeue itself deterministically.)
     events = [json.loads(line) for line in (part / "events.jsonl").open()]
     assert [e["requeued_prompts"] for e in events if e["kind"] == "resumed"] in ([0], [2])
+
+
+@pytest.mark.slow
+def test_resume_on_fresh_nodes_from_the_durable_checkpoint_store(tmp_path, monkeypatch):
+    """Node A trains and uploads its checkpoints; node A is gone (its run directory never seen
+    again); node B starts with an empty run directory of the same run and resumes from the
+    store."""
+    from training_core.checkpoint_store import STORE_ENV
+    from training_core.train import train
+
+    store = tmp_path / "store"
+    monkeypatch.setenv(STORE_ENV, f"file://{store}")
+    common = SMALL + ["checkpoint.every=2", "checkpoint.keep=1", "eval.every=0"]
+    node_a = tmp_path / "node-a" / "run-7"
+    train(load_spec(None, common + [f"run_dir={node_a}", "trainer.steps=4"]), progress=False)
+    stored = sorted(p.name for p in (store / "run-7" / "checkpoints").iterdir())
+    assert stored == ["step4"], "uploaded, and pruned to checkpoint.keep"
+    assert (store / "run-7" / "checkpoints" / "step4" / "COMPLETE").exists()
+
+    node_b = tmp_path / "node-b" / "run-7"
+    node_b.mkdir(parents=True)
+    result = train(load_spec(None, common + [f"run_dir={node_b}", "trainer.steps=5"]),
+                   resume_dir=node_b, progress=False)
+    assert result.last_step == 5 and result.final_version == 5
+    events = [json.loads(line) for line in (node_b / "events.jsonl").open()]
+    resumed = [e for e in events if e["kind"] == "resumed"]
+    assert resumed and resumed[0]["step"] == 4 and "step4" in resumed[0]["message"]
+    assert [r["step"] for r in read_metrics(node_b) if r["step"] > 0] == [5]

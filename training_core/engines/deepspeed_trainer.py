@@ -93,6 +93,14 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def barrier() -> None:
+    """Wait for every trainer rank (nothing to wait for with one process)."""
+    if rank_and_world()[1] > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
 def _all_reduce_sum(values: list[float]) -> list[float]:
     import torch.distributed as dist
 
@@ -271,11 +279,8 @@ class DeepSpeedTrainer:
                         "torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state)
-        rank, world = rank_and_world()
-        if world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
+        rank = rank_and_world()[0]
+        barrier()
         # The marker is written last: a checkpoint without it was interrupted and is ignored.
         if rank == 0:
             (Path(ckpt_dir) / tag / "COMPLETE").write_text("ok")
