@@ -89,3 +89,32 @@ def test_checkov_finds_no_failed_checks(tmp_path):
     failed = [f"{c['check_id']} {c['resource']} ({c['file_path']})"
               for r in reports for c in r.get("results", {}).get("failed_checks", [])]
     assert not failed, "\n".join(failed)
+
+
+def test_cloud_init_renders_a_worker_that_serves_the_nodes_queue(tmp_path):
+    """Rendered by Terraform itself (templatefile in `terraform console`): the node's worker
+    serves its own queue, the one the orchestration places processes on."""
+    import yaml
+    from orchestration.providers.base import node_queue
+
+    template = TF / "modules" / "gpu_node_pool" / "cloud-init.yaml.tftpl"
+    expr = (f'templatefile("{template}", {{oolong_package="oolong",'
+            ' prefect_api_url="http://10.0.0.5:4200/api", work_pool="oolong-run-7", node_index=2,'
+            ' rollout_port=30000})')
+    # An empty working directory: console leaves no state files in the repository.
+    out = subprocess.run(["terraform", "console"], input=expr, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "TF_CLI_CONFIG_FILE": "/dev/null"})
+    assert out.returncode == 0, out.stderr
+    rendered = out.stdout.strip().removeprefix("<<EOT").removesuffix("EOT").strip()
+    doc = yaml.safe_load(rendered)
+    files = {f["path"]: f["content"] for f in doc["write_files"]}
+    unit = files["/etc/systemd/system/oolong-prefect-worker.service"]
+    start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    args = start.split()
+    assert args[args.index("--pool") + 1] == "oolong-run-7"
+    assert args[args.index("--work-queue") + 1] == node_queue(2) == "node-2"
+    assert args[args.index("--type") + 1] == "process"
+    env = dict(line.split("=", 1) for line in files["/etc/oolong/node.env"].splitlines() if line)
+    assert env["PREFECT_API_URL"] == "http://10.0.0.5:4200/api"
+    assert env["OOLONG_NODE_QUEUE"] == "node-2"
+    assert any("OOLONG_NODE_ADDRESS" in cmd for cmd in doc["runcmd"] if isinstance(cmd, str))

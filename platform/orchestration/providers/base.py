@@ -4,6 +4,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
+def node_queue(index: int) -> str:
+    """The Prefect work queue a node's worker serves (cloud-init starts it with this name)."""
+    return f"node-{index}"
+
+
 @dataclass(frozen=True)
 class Node:
     address: str
