@@ -46,9 +46,10 @@ from training_core.data.datasets import PromptLoader, load_data
 from training_core.engines.deepspeed_trainer import DeepSpeedTrainer, barrier, rank_and_world
 from training_core.engines.rollout_client import RolloutClient
 from training_core.evaluation import CORRECT, evaluate
-from training_core.launch import Fleet, start_embedded_fleet
+from training_core.launch import start_embedded_fleet
 from training_core.metrics import BATCH_LOG, JsonlSink, MultiSink, truncate_metrics
 from training_core.models.loading import load_tokenizer, run_model_dir
+from training_core.processes import Fleet
 from training_core.rewards.pool import RewardPool
 from training_core.rollout import Batch, RolloutExecutor
 from training_core.staleness import StalenessManager

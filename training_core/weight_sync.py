@@ -166,6 +166,11 @@ class DistributedSync:
             raise RolloutServerError("weight_sync distributed: no weight update group (connect)")
         if self._version != version:
             raise RuntimeError(f"weights of version {self._version} exported, {version} pushed")
+        # A restarted server lost its membership (it reports the version it started at): the
+        # group is rebuilt before the push, or its broadcast would wait for a rank that is gone.
+        versions = await client.weight_versions()
+        if any(v != str(client.version) for v in versions):
+            await self.connect(client)
         if self._bracket is None:
             self._bracket = await client.weight_update_bracket("/begin_weight_update")
         elif self._bracket:

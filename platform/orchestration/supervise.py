@@ -14,14 +14,13 @@ New error lines of the trainer log go to the run's event log as they appear.
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from orchestration.tracker import Tracker
-from training_core.launch import Fleet
+from training_core.processes import Fleet, ManagedProcess
 
 
 @dataclass
@@ -46,7 +45,7 @@ def log_tail(path: Path, lines: int = 20) -> str:
         return ""
 
 
-def supervise(tracker: Tracker, trainer: subprocess.Popen, fleet: Fleet, run_dir: Path, *,
+def supervise(tracker: Tracker, trainer: ManagedProcess, fleet: Fleet, run_dir: Path, *,
               trainer_log: Path, restart_server: Callable[[int], None], stop_trainer: Callable[[], None],
               poll_s: float = 0.5, cancel_poll_s: float = 2.0, heartbeat_timeout_s: float = 900.0,
               max_server_restarts: int = 2) -> Outcome:

@@ -1,13 +1,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
 
-from training_core.launch import Fleet, embedded_server_command, free_port
+from training_core.launch import embedded_server_command, free_port, server_process
+from training_core.processes import Fleet
 
 
 @pytest.fixture(scope="session")
@@ -20,12 +20,11 @@ def tiny_model_dir() -> Path:
 
 def start_server(model_dir: Path, log_path: Path, seed: int = 0) -> tuple[Fleet, str]:
     port = free_port()
-    proc = subprocess.Popen(
-        embedded_server_command(str(model_dir), port, seed=seed, parent_pid=os.getpid()),
-        stdout=log_path.open("w"), stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
-    fleet = Fleet(urls=[url], processes=[proc], logs=[log_path])
+    server = server_process("test server", embedded_server_command(
+        str(model_dir), port, seed=seed, parent_pid=os.getpid()), url, log_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}).start()
+    fleet = Fleet(urls=[url], servers=[server])
     fleet.wait_healthy(120)
     return fleet, url
 

@@ -202,3 +202,42 @@ def test_check_versions_names_the_server_and_the_launch_flag():
     client = client_for(server)
     with pytest.raises(Exception, match="--weight-version 3"):
         run(client.check_versions(3))
+
+
+def test_a_server_behind_the_trainers_version_is_not_routed_to_until_the_next_update():
+    """A restarted server answers with the version it started at: its tokens keep that version
+    (truthful), and it gets no more requests until a weight update reaches it."""
+    hits: list[str] = []
+    versions = {"127.0.0.2": "4", "127.0.0.3": "0"}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if request.url.path == "/generate":
+            hits.append(host)
+            await asyncio.sleep(0.01)  # both requests in flight at once
+            return httpx.Response(200, json=reply([5], version=versions[host]))
+        if request.url.path == "/update_weights_from_disk":
+            versions[host] = json.loads(request.content)["weight_version"]
+        return httpx.Response(200, json={"success": True, "message": "ok"})
+
+    client = RolloutClient(["http://127.0.0.2:1", "http://127.0.0.3:1"],
+                           transport=httpx.MockTransport(handler))
+    client.set_version(4)
+    request = GenerationRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=1))
+
+    async def go():
+        first = await asyncio.gather(*[client.agenerate(request) for _ in range(2)])
+        before = len(hits)
+        later = [await client.agenerate(request) for _ in range(4)]
+        await client.update_weights_from_disk("/w/v5", 5)
+        after = await asyncio.gather(*[client.agenerate(request) for _ in range(2)])
+        await client.aclose()
+        return first, before, later, after
+
+    first, before, later, after = run(go())
+    assert sorted(hits[:before]) == ["127.0.0.2", "127.0.0.3"]  # least-in-flight spreads
+    assert sorted(r.output_versions[0] for r in first) == [0, 4]
+    assert hits[before:before + 4] == ["127.0.0.2"] * 4, "the stale server was skipped"
+    assert all(r.output_versions == [4] for r in later)
+    assert "127.0.0.3" in hits[before + 4:], "routed to again once the update reached it"
+    assert all(r.output_versions == [5] for r in after)

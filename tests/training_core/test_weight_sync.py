@@ -141,3 +141,48 @@ def test_weight_update_requests_match_sglangs_request_models(trainer):
         if path in ("/server_info", "/begin_weight_update"):
             continue
         assert check_request("POST", path, body) == [], (path, body)
+
+
+def test_a_restarted_server_gets_the_group_rebuilt_and_the_current_weights(
+        trainer, tiny_model_dir, tmp_path):
+    """A server restarted mid-run lost its group membership and serves its launch weights: the
+    next push sees its older weight_version, rebuilds the group with every server, and sends."""
+    fleets = [start_server(tiny_model_dir, tmp_path / f"s{i}.log", seed=i) for i in range(2)]
+    urls = [url for _, url in fleets]
+    sync = DistributedSync()
+
+    async def push(client, version):
+        sync.export(trainer, version)
+        await client.pause()
+        try:
+            await sync.push(client, version)
+        finally:
+            await client.resume()
+
+    async def go():
+        client = RolloutClient(urls)
+        try:
+            await sync.connect(client)
+            await push(client, 1)
+            first_group = sync.group
+            fleets[1][0].restart(0, timeout_s=120)  # no bring-up: it starts at version 0
+            assert await client.weight_versions() == ["1", "0"]
+            with torch.no_grad():
+                for p in trainer.engine.module.parameters():
+                    p.mul_(1.01)
+            await push(client, 2)
+            assert sync.group is not first_group, "the group was rebuilt"
+            await sync.close(client)
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(go())
+        sent = {k: v.clone() for k, v in trainer.weights().items()}
+        for url in urls:
+            assert httpx.get(url + "/model_info").json()["weight_version"] == "2"
+            got = _server_weights(url, list(sent))
+            assert all(torch.equal(got[n], t.float()) for n, t in sent.items()), url
+    finally:
+        for fleet, _ in fleets:
+            fleet.stop()

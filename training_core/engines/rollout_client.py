@@ -57,6 +57,9 @@ class _Server:
     in_flight: int = 0
     down_until: float = 0.0
     failures: int = 0
+    # Answered with weights older than the trainer's (a restarted server that has not loaded
+    # the current ones): not routed to until the next weight update reaches it.
+    behind: bool = False
 
 
 @dataclass
@@ -131,7 +134,8 @@ class RolloutClient:
     def _pick(self) -> _Server:
         now = time.monotonic()
         alive = [s for s in self.servers if s.down_until <= now] or self.servers
-        return min(alive, key=lambda s: s.in_flight)
+        current = [s for s in alive if not s.behind] or alive
+        return min(current, key=lambda s: s.in_flight)
 
     async def _post(self, server: _Server, path: str, payload: dict | None = None) -> Any:
         resp = await self._client().post(server.url + path, json=payload or {})
@@ -166,8 +170,17 @@ class RolloutClient:
 
     async def _generate_on(self, server: _Server, payload: dict, weight: int) -> dict | list:
         server.in_flight += weight
+        version = self._version
         try:
-            return await self._post(server, "/generate", payload)
+            result = await self._post(server, "/generate", payload)
+            items = result if isinstance(result, list) else [result]
+            if any(_parse_version(r.get("meta_info", {}).get("weight_version"), version) < version
+                   for r in items if isinstance(r, dict)):
+                if not server.behind:
+                    log.warning("%s serves weights older than version %d: not routed to until "
+                                "the next weight update", server.url, version)
+                server.behind = True
+            return result
         except RolloutServerError as exc:
             if exc.status is not None and 400 <= exc.status < 500:
                 raise RequestRejected(str(exc)) from None
@@ -269,12 +282,15 @@ class RolloutClient:
 
     # ---- control ----------------------------------------------------------------------------
 
-    async def _post_retrying(self, server: _Server, path: str, payload: dict | None) -> Any:
+    async def _retrying(self, server: _Server, path: str, payload: dict | None = None, *,
+                        get: bool = False) -> Any:
         """Control calls must reach every server: a restarting one is waited for (retry window)."""
         try:
             async for attempt in aretrying(self.retry_window_s, max_delay_s=2.0,
                                            retry_on=(httpx.TransportError,)):
                 with attempt:
+                    if get:
+                        return await self._get(server, path)
                     return await self._post(server, path, payload)
         except httpx.TransportError as exc:
             raise RolloutServerError(f"{server.url}{path} unreachable for "
@@ -282,7 +298,7 @@ class RolloutClient:
         raise AssertionError("unreachable")  # pragma: no cover - tenacity re-raises
 
     async def _all(self, path: str, payload: dict | None = None) -> list[dict]:
-        return await asyncio.gather(*[self._post_retrying(s, path, payload) for s in self.servers])
+        return await asyncio.gather(*[self._retrying(s, path, payload) for s in self.servers])
 
     async def pause(self) -> None:
         # Marked before the call: requests aborted by it must find the pause already recorded.
@@ -301,13 +317,14 @@ class RolloutClient:
         results = await self._all("/update_weights_from_disk",
                                   {"model_path": path, "weight_version": str(version)})
         _check_all("update_weights_from_disk", self.servers, results)
-        self._version = version
+        self._updated(version)
 
     # ---- weights over the network (SGLang's distributed weight update) ----------------------
 
     async def tp_sizes(self) -> list[int]:
         """Each server's tensor-parallel size (its ranks in the weight update group)."""
-        infos = await asyncio.gather(*[self._get(s, "/server_info") for s in self.servers])
+        infos = await asyncio.gather(*[self._retrying(s, "/server_info", get=True)
+                                       for s in self.servers])
         return [int(info.get("tp_size") or 1) for info in infos]
 
     async def init_weights_update_group(self, *, master_address: str, master_port: int,
@@ -341,7 +358,7 @@ class RolloutClient:
             *[self._post(s, "/update_weights_from_distributed", payload) for s in self.servers])
         _check_all("update_weights_from_distributed", self.servers, results)
         if version is not None:
-            self._version = version
+            self._updated(version)
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         results = await asyncio.gather(
@@ -362,10 +379,16 @@ class RolloutClient:
             raise
         return True
 
+    def _updated(self, version: int) -> None:
+        self._version = version
+        for server in self.servers:  # every server has the new weights now
+            server.behind = False
+
     async def weight_versions(self) -> list[str]:
         """Each server's ``weight_version`` from ``GET /model_info`` (SGLang >= 0.5.2x; the older
         ``/get_weight_version`` is gone and ``/get_model_info`` is deprecated)."""
-        infos = await asyncio.gather(*[self._get(s, "/model_info") for s in self.servers])
+        infos = await asyncio.gather(*[self._retrying(s, "/model_info", get=True)
+                                       for s in self.servers])
         return [str(info.get("weight_version")) for info in infos]
 
     async def check_versions(self, expected: int) -> None:

@@ -13,8 +13,8 @@ platform/prefect.yaml, picked up by a worker of the `oolong` process work pool.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -30,14 +30,21 @@ from orchestration.tracker import Tracker
 from orchestration.trigger import flow_run_dir
 from training_core.checkpoint import pushed_weights
 from training_core.config import RunSpec
-from training_core.launch import Fleet, embedded_server_command, free_port, sglang_server_command
+from training_core.engines.rollout_client import RolloutClient
+from training_core.launch import (
+    embedded_server_command,
+    free_port,
+    server_process,
+    sglang_server_command,
+)
 from training_core.models.loading import run_model_dir
+from training_core.processes import Fleet, ManagedProcess, process_env, stop_all
 
 
 @dataclass
 class RunProcesses:
     fleet: Fleet | None = None
-    trainer: subprocess.Popen | None = None
+    trainer: ManagedProcess | None = None
 
 
 @task(name="provision-nodes", cache_policy=NO_CACHE)  # side effects: never cached
@@ -69,7 +76,8 @@ def warm_start(spec: RunSpec, spec_path: Path, run_dir: Path) -> Path | None:
 def _env(run_dir: Path) -> dict[str, str]:
     # User reward modules are written into the run directory: make them importable.
     path = os.pathsep.join(p for p in [str(run_dir), os.environ.get("PYTHONPATH", "")] if p)
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return process_env({"PYTHONPATH": path,
+                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
 
 
 def _server_command(spec: RunSpec, model_dir: str, port: int, index: int) -> list[str]:
@@ -80,24 +88,18 @@ def _server_command(spec: RunSpec, model_dir: str, port: int, index: int) -> lis
                                    seed=spec.seed + index, parent_pid=os.getpid())
 
 
-def _spawn_server(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=log.open("a"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-
-
 @task(name="start-rollout-fleet", cache_policy=NO_CACHE)  # side effects: never cached
 def start_rollout_fleet(spec: RunSpec, run_dir: Path, inventory: NodeInventory) -> Fleet:
     model_dir = str(run_model_dir(spec, run_dir))
-    logs = run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(urls=[])
     host = inventory.head.address
     for i in range(spec.rollout.num_servers):
         port = free_port()
-        log = logs / f"rollout-server-{i}.log"
-        fleet.processes.append(_spawn_server(_server_command(spec, model_dir, port, i), log, _env(run_dir)))
-        fleet.urls.append(f"http://{host}:{port}")
-        fleet.logs.append(log)
+        url = f"http://{host}:{port}"
+        fleet.urls.append(url)
+        fleet.servers.append(server_process(
+            f"rollout server {i}", _server_command(spec, model_dir, port, i), url,
+            run_dir / "logs" / f"rollout-server-{i}.log", _env(run_dir)).start())
     return fleet
 
 
@@ -107,34 +109,36 @@ def wait_fleet_healthy(fleet: Fleet, timeout_s: float = 300.0) -> None:
 
 
 @task(name="start-trainer", cache_policy=NO_CACHE)  # side effects: never cached
-def start_trainer(spec_path: Path, fleet: Fleet, inventory: NodeInventory, run_dir: Path) -> subprocess.Popen:
+def start_trainer(spec_path: Path, fleet: Fleet, inventory: NodeInventory,
+                  run_dir: Path) -> ManagedProcess:
     cmd = trainer_command(spec_path, fleet.urls, inventory, run_dir)
-    log = run_dir / "logs" / "trainer.log"
     (run_dir / "trainer.cmd").write_text(" ".join(cmd))
-    return subprocess.Popen(cmd, stdout=log.open("a"), stderr=subprocess.STDOUT, env=_env(run_dir),
-                            start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
-    """Stop a process and everything it started (its own process group)."""
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
+    return ManagedProcess("trainer", cmd, run_dir / "logs" / "trainer.log", env=_env(run_dir)).start()
 
 
 @task(name="tear-down", cache_policy=NO_CACHE)  # side effects: never cached
 def tear_down(procs: RunProcesses) -> None:
-    _stop(procs.trainer)
-    if procs.fleet is not None:
-        for p in procs.fleet.processes:
-            _stop(p, grace_s=5)
+    """Every process of the run, trainer and servers together, under one deadline."""
+    stop_all([procs.trainer, *(procs.fleet.servers if procs.fleet else [])], grace_s=10.0)
+
+
+def load_current_weights(run_dir: Path, url: str) -> None:
+    """Bring a restarted server to the trainer's latest pushed weights (``weight_sync: disk``),
+    checking its reply. With ``distributed`` the trainer rebuilds its weight group with the
+    server before its next push (it sees the server's older ``weight_version``)."""
+    pushed = pushed_weights(run_dir)
+    if not pushed:
+        return
+    version, path = pushed[-1]
+
+    async def load() -> None:
+        client = RolloutClient([url])
+        try:
+            await client.update_weights_from_disk(str(path.resolve()), version)
+        finally:
+            await client.aclose()
+
+    asyncio.run(load())
 
 
 @flow(name="training-run", log_prints=True)
@@ -166,22 +170,11 @@ def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str
         tracker.event("trainer", f"trainer started (pid {procs.trainer.pid})")
 
         def restart_server(i: int) -> None:
-            fleet = procs.fleet
-            port = int(fleet.urls[i].rsplit(":", 1)[1])
-            fleet.processes[i] = _spawn_server(
-                _server_command(spec, str(run_model_dir(spec, run_dir)), port, i), fleet.logs[i], _env(run_dir))
-            Fleet(urls=[fleet.urls[i]], processes=[fleet.processes[i]], logs=[fleet.logs[i]]).wait_healthy(300)
-            pushed = pushed_weights(run_dir)
-            if pushed:  # bring it to the trainer's current version
-                import httpx
-
-                version, path = pushed[-1]
-                httpx.post(fleet.urls[i] + "/update_weights_from_disk", timeout=120, json={
-                    "model_path": str(path.resolve()), "weight_version": str(version)})
+            procs.fleet.restart(i, bring_up=lambda url: load_current_weights(run_dir, url))
 
         outcome = supervise(tracker, procs.trainer, procs.fleet, run_dir,
-                            trainer_log=run_dir / "logs" / "trainer.log",
-                            restart_server=restart_server, stop_trainer=lambda: _stop(procs.trainer),
+                            trainer_log=procs.trainer.log,
+                            restart_server=restart_server, stop_trainer=procs.trainer.stop,
                             heartbeat_timeout_s=spec.orchestration.heartbeat_timeout_s,
                             max_server_restarts=spec.orchestration.max_server_restarts)
         return outcome.status

@@ -1,0 +1,113 @@
+"""The process lifecycle module: groups stopped whole, one deadline for all, restarts that are
+handed back only once brought up."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import httpx
+import pytest
+
+from training_core.launch import free_port
+from training_core.processes import Fleet, ManagedProcess, stop_all
+
+# Ignores SIGTERM and starts a grandchild that would outlive a plain kill of the leader.
+STUBBORN = "trap '' TERM; sleep 300 & echo $! > {pidfile}; while true; do sleep 0.1; done"
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_stop_all_kills_every_group_including_children_that_ignore_sigterm(tmp_path):
+    procs = []
+    for i in range(3):
+        pidfile = tmp_path / f"child{i}"
+        procs.append(ManagedProcess(f"p{i}", ["bash", "-c", STUBBORN.format(pidfile=pidfile)],
+                                    tmp_path / f"p{i}.log").start())
+    for i in range(3):
+        for _ in range(100):
+            if (tmp_path / f"child{i}").exists() and (tmp_path / f"child{i}").read_text().strip():
+                break
+            time.sleep(0.05)
+    children = [int((tmp_path / f"child{i}").read_text()) for i in range(3)]
+    assert all(p.alive() for p in procs) and all(_exists(c) for c in children)
+
+    stop_all(procs, grace_s=0.5)
+
+    assert not any(p.alive() for p in procs)
+    for _ in range(50):  # the grandchildren got SIGKILL with their group
+        if not any(_exists(c) for c in children):
+            break
+        time.sleep(0.05)
+    assert not any(_exists(c) for c in children)
+    stop_all(procs)  # stopping what is stopped is a no-op
+
+
+def _http_server(tmp_path, port: int) -> ManagedProcess:
+    return ManagedProcess("web", [sys.executable, "-m", "http.server", "--bind", "127.0.0.1",
+                                  str(port)], tmp_path / "web.log",
+                          health_url=f"http://127.0.0.1:{port}/")
+
+
+def test_a_restart_is_handed_back_only_after_bring_up_succeeds(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = _http_server(tmp_path, port).start()
+    fleet = Fleet(urls=[url], servers=[server])
+    fleet.wait_healthy(30)
+    first_pid = server.pid
+
+    def refuse(u: str) -> None:
+        assert httpx.get(u + "/").status_code == 200  # it was up when asked
+        raise RuntimeError("weights did not load")
+
+    with pytest.raises(RuntimeError, match="weights did not load"):
+        fleet.restart(0, bring_up=refuse, timeout_s=30)
+    assert fleet.alive() == [False], "a server that failed its bring-up is stopped again"
+
+    seen: list[str] = []
+    fleet.restart(0, bring_up=seen.append, timeout_s=30)
+    assert seen == [url] and fleet.alive() == [True] and server.pid != first_pid
+    fleet.stop()
+    assert fleet.alive() == [False]
+
+
+def test_a_server_that_dies_while_starting_says_so_with_its_log(tmp_path):
+    proc = ManagedProcess("broken", [sys.executable, "-c", "import sys; print('no model here');"
+                                     " sys.exit(3)"], tmp_path / "b.log",
+                          health_url=f"http://127.0.0.1:{free_port()}/health").start()
+    with pytest.raises(RuntimeError, match="broken exited with 3:\nno model here"):
+        proc.wait_healthy(30)
+
+
+def test_run_processes_get_an_allow_listed_environment():
+    from training_core.processes import process_env
+
+    parent = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "2", "NCCL_SOCKET_IFNAME": "eth1",
+              "AWS_ACCESS_KEY_ID": "store-key", "OOLONG_CHECKPOINT_STORE": "s3://b/p",
+              "DATABASE_URL": "postgres://secret", "CELERY_BROKER_URL": "redis://x",
+              "DJANGO_SECRET_KEY": "k", "OOLONG_INGEST_TOKEN": "t", "SOMETHING_ELSE": "1"}
+    env = process_env({"PYTHONPATH": "/run"}, parent=parent)
+    assert env == {"PATH": "/usr/bin", "OMP_NUM_THREADS": "2", "NCCL_SOCKET_IFNAME": "eth1",
+                   "AWS_ACCESS_KEY_ID": "store-key", "OOLONG_CHECKPOINT_STORE": "s3://b/p",
+                   "PYTHONPATH": "/run"}
+
+
+def test_an_embedded_fleet_does_not_inherit_secrets(tiny_model_dir, tmp_path, monkeypatch):
+    from training_core.launch import start_embedded_fleet
+
+    monkeypatch.setenv("DJANGO_SECRET_KEY", "do-not-leak")
+    fleet = start_embedded_fleet(str(tiny_model_dir), 1, tmp_path)
+    try:
+        environ = open(f"/proc/{fleet.servers[0].pid}/environ", "rb").read().split(b"\0")
+    finally:
+        fleet.stop()
+    assert not any(e.startswith(b"DJANGO_SECRET_KEY=") for e in environ)
+    assert any(e.startswith(b"PATH=") for e in environ)

@@ -1,0 +1,156 @@
+"""The lifecycle of a run's long-running processes: spawn, health, restart, stop. One module for
+``oolong train``'s embedded fleet and for the orchestration flow's servers and trainer.
+
+- Every process starts in its own session (process group), logging to its own file, so stopping
+  it stops whatever it started (a launcher's ranks, SGLang's scheduler processes).
+- ``stop_all`` signals every group at once and gives them one shared deadline before SIGKILL:
+  stopping N servers takes one grace period, not N.
+- A restarted server is handed back only after its ``bring_up`` callback (load the current
+  weights and check the reply) has succeeded; until then it is not part of the fleet's healthy
+  set, and a failure stops it again and raises.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from training_core.http import wait_healthy
+
+# What a run's processes inherit from whoever starts them (a flow, a worker, a shell): the
+# toolchain, thread counts, caches, the accelerator and collective settings, and the durable
+# store's credentials. Nothing else: no database URL, broker URL, secret key or token that
+# happens to be in the parent's environment.
+ENV_ALLOW = frozenset({
+    "PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV",
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HOME", "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE", "OOLONG_CACHE", "OOLONG_NODE_ADDRESS", "OOLONG_CHECKPOINT_STORE",
+    "OOLONG_RUN_ID",  # marks every process of a run (what an operator greps /proc for)
+    "DS_ACCELERATOR", "TORCH_CUDA_ARCH_LIST", "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH",
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
+    "http_proxy", "https_proxy", "no_proxy",
+})
+ENV_ALLOW_PREFIXES = ("NCCL_", "GLOO_", "AWS_", "GOOGLE_APPLICATION_", "AZURE_STORAGE_")
+
+
+def process_env(extra: dict[str, str] | None = None,
+                parent: dict[str, str] | None = None) -> dict[str, str]:
+    """The allow-listed part of ``parent`` (default: this process's environment) plus ``extra``."""
+    source = os.environ if parent is None else parent
+    env = {k: v for k, v in source.items() if k in ENV_ALLOW or k.startswith(ENV_ALLOW_PREFIXES)}
+    return {**env, **(extra or {})}
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    cmd: list[str]
+    log: Path
+    env: dict[str, str] | None = None
+    health_url: str | None = None  # GET answers 200 once it serves
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    def start(self) -> ManagedProcess:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("a") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
+                                         env=self.env, start_new_session=True)
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return ""
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        if self.health_url is None:
+            return
+
+        def dead() -> str | None:
+            if self.alive():
+                return None
+            return f"{self.name} exited with {self.poll()}:\n{self.log_tail()}"
+
+        try:
+            wait_healthy(self.health_url, timeout_s, dead=dead)
+        except TimeoutError:
+            raise TimeoutError(f"{self.name} ({self.health_url}) not healthy after "
+                               f"{timeout_s:.0f}s:\n{self.log_tail()}") from None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        stop_all([self], grace_s)
+
+
+def stop_all(processes: Iterable[ManagedProcess | subprocess.Popen | None],
+             grace_s: float = 10.0) -> None:
+    """SIGTERM every process group, one shared deadline, then SIGKILL what is left."""
+    procs = [p.proc if isinstance(p, ManagedProcess) else p for p in processes]
+    procs = [p for p in procs if p is not None and p.poll() is None]
+    for p in procs:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.05, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+    for p in procs:  # children that outlived their leader (a launcher's ranks)
+        _signal_group(p, signal.SIGKILL)
+
+
+def _signal_group(p: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(p.pid, sig)  # its own session: pgid == pid
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@dataclass
+class Fleet:
+    """Rollout servers: one ManagedProcess per URL (none for servers someone else runs)."""
+
+    urls: list[str]
+    servers: list[ManagedProcess] = field(default_factory=list)
+
+    def wait_healthy(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for server in self.servers:
+            server.wait_healthy(max(deadline - time.monotonic(), 0.0))
+
+    def alive(self) -> list[bool]:
+        return [s.alive() for s in self.servers]
+
+    def restart(self, i: int, *, bring_up: Callable[[str], None] | None = None,
+                timeout_s: float = 300.0) -> None:
+        """Stop server ``i`` if it still runs, start it again at the same URL, wait until it is
+        healthy and ``bring_up(url)`` has succeeded (it raises otherwise)."""
+        server = self.servers[i]
+        server.stop(grace_s=5.0)
+        server.start()
+        try:
+            server.wait_healthy(timeout_s)
+            if bring_up is not None:
+                bring_up(self.urls[i])
+        except BaseException:
+            server.stop(grace_s=5.0)
+            raise
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        stop_all(self.servers, grace_s)
