@@ -180,9 +180,21 @@ class MetricsSpec(_Section):
     report_status: bool = True
 
 
+class PlacementSpec(_Section):
+    trainer_nodes: int = Field(1, ge=1, description=(
+        "how many nodes run the trainer (the first ones); one launcher per node, rank 0 on the "
+        "first"))
+    server_nodes: list[int] | None = Field(None, description=(
+        "node indices the rollout servers go to, round-robin; default: the nodes the trainer "
+        "does not use (all nodes when it uses every one)"))
+
+
 class OrchestrationSpec(_Section):
-    # Where the run's processes go: this machine, or cloud GPU nodes provisioned with Terraform.
-    provider: Literal["local", "terraform"] = "local"
+    # Where the run's processes go: this machine, nodes someone runs (static), or cloud GPU nodes
+    # provisioned with Terraform. With more than one node, each process is placed on a node's
+    # Prefect work queue (placement).
+    provider: Literal["local", "static", "terraform"] = "local"
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
     terraform_vars: dict[str, Any] = Field(default_factory=dict)
     heartbeat_timeout_s: float = Field(900.0, gt=0)
     max_server_restarts: int = Field(2, ge=0)

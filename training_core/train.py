@@ -219,7 +219,7 @@ def checkpoint_if_due(trainer: DeepSpeedTrainer, spec: RunSpec, run_dir: Path, s
     with timers("checkpoint"):
         saved = trainer.save_checkpoint(checkpoint_dir(run_dir), tag,
                                         {"version": version, "step": step, **state()})
-        if rank_and_world()[0] == 0:
+        if local_rank() == 0:  # every node prunes its own run directory
             prune_checkpoints(run_dir, spec.checkpoint.keep)
     store = CheckpointStore.from_env(run_dir)
     if store is not None:  # durable copy: every node its files, then rank 0 the marker

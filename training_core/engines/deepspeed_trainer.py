@@ -279,10 +279,10 @@ class DeepSpeedTrainer:
                         "torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state)
-        rank = rank_and_world()[0]
         barrier()
         # The marker is written last: a checkpoint without it was interrupted and is ignored.
-        if rank == 0:
+        # One per node (its first local rank): each node's run directory holds its own shards.
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             (Path(ckpt_dir) / tag / "COMPLETE").write_text("ok")
         return Path(ckpt_dir) / tag
 

@@ -23,8 +23,11 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from orchestration.deployments import deploy_node_flows
 from orchestration.launchers import trainer_command
+from orchestration.placed import PlacedRun, node_pool, plan
 from orchestration.providers import NodeInventory, get_provider
+from orchestration.providers.base import node_queue
 from orchestration.supervise import Outcome, supervise
 from orchestration.tracker import Tracker
 from orchestration.trigger import flow_run_dir
@@ -141,12 +144,37 @@ def load_current_weights(run_dir: Path, url: str) -> None:
     asyncio.run(load())
 
 
+def run_placed(placed: PlacedRun, tracker: Tracker) -> Outcome:
+    """The run across nodes: servers on theirs, then one trainer launcher per trainer node."""
+    spec = placed.spec
+    if spec.model.warm_start_seconds > 0:
+        raise ValueError("model.warm_start_seconds: a warm start across nodes is not supported "
+                         "yet; set it to 0 or warm-start the model beforehand")
+    if spec.rollout.server_urls:
+        raise ValueError("rollout.server_urls: a placed run starts its own servers")
+    deploy_node_flows(placed.pool)
+    for i, node in enumerate(placed.placement.server_nodes):
+        tracker.event("placement", f"rollout server {i} on {node_queue(node)}")
+    urls = placed.start_servers()
+    tracker.event("fleet", f"{len(urls)} rollout server(s) healthy", urls=urls)
+    placed.start_trainers(urls)
+    tracker.status("running")
+    tracker.event("trainer", "trainer placed on " + ", ".join(
+        node_queue(n) for n in placed.placement.trainer_nodes) + " (weights over the network)")
+    outcome = placed.supervise(tracker)
+    versions = placed.server_versions()
+    tracker.event("fleet", "rollout servers end at weight_version " + ", ".join(versions),
+                  versions=versions)
+    return outcome
+
+
 @flow(name="training-run", log_prints=True)
 def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str = "local") -> str:
     logger = get_run_logger()
     tracker = Tracker(tracker_url, ingest_token)
     run_dir = flow_run_dir(run_id)
     procs = RunProcesses()
+    placed: PlacedRun | None = None
     outcome = Outcome("failed", "the flow stopped before the trainer started")
     prov = get_provider(provider)
     try:
@@ -158,6 +186,11 @@ def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str
         tracker.event("flow", f"flow started (provider {provider}); run directory {run_dir}")
         inventory = provision_nodes(provider, run_id, info["spec"])
         spec, spec_path = prepare_run(tracker_url, ingest_token, run_dir)
+        if len(inventory.nodes) > 1:  # every process on a node's work queue
+            placed = PlacedRun(run_id, tracker_url, ingest_token, spec, inventory,
+                               plan(spec, inventory), node_pool(run_id, inventory))
+            outcome = run_placed(placed, tracker)
+            return outcome.status
         if spec.model.warm_start_seconds > 0:
             tracker.event("warm_start", f"supervised warm start for {spec.model.warm_start_seconds:.0f}s")
         warm_start(spec, spec_path, run_dir)
@@ -183,6 +216,10 @@ def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str
         logger.error("training-run failed: %s", exc)
         raise
     finally:
+        if placed is not None:
+            left = placed.stop()
+            if left:
+                outcome = Outcome("failed", f"{outcome.reason}; not stopped in time: {left}")
         tear_down(procs)
         try:
             prov.release(run_id)

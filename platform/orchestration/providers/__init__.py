@@ -14,7 +14,11 @@ def get_provider(name: str, **options) -> NodeProvider:
         from orchestration.providers.terraform import TerraformNodeProvider
 
         return TerraformNodeProvider(**options)
-    raise ValueError(f"unknown node provider {name!r}; use 'local' or 'terraform'")
+    if name == "static":
+        from orchestration.providers.static import StaticNodeProvider
+
+        return StaticNodeProvider(**options)
+    raise ValueError(f"unknown node provider {name!r}; use 'local', 'static' or 'terraform'")
 
 
 __all__ = ["Node", "NodeInventory", "NodeProvider", "get_provider"]

@@ -1,0 +1,133 @@
+"""The flows a node's Prefect worker runs for a placed run: one long-running process each.
+
+- ``rollout-server``: one rollout server bound to this node's address, announced to the
+  ``training-run`` flow through a Prefect variable once healthy.
+- ``trainer``: this node's trainer launcher (``torch.distributed.run``, one per node; rank 0 on
+  the first trainer node owns the rollout side).
+
+Each node prepares its own run directory from the web app over HTTP with the run's token (spec,
+data, reward code): nothing is shared between nodes but the network. A flow returns when its
+process exits (a failure raises, naming the node); cancelling the flow run makes the worker stop
+this flow, which stops its process group first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.variables import Variable
+
+from orchestration.trigger import flow_run_dir
+from training_core.launch import (
+    embedded_server_command,
+    free_port,
+    server_process,
+    sglang_server_command,
+)
+from training_core.models.loading import run_model_dir
+from training_core.processes import ManagedProcess, process_env
+from training_core.remote_run import prepare_remote_run
+
+NODE_ADDRESS_ENV = "OOLONG_NODE_ADDRESS"
+
+
+def node_address() -> str:
+    return os.environ.get(NODE_ADDRESS_ENV, "127.0.0.1")
+
+
+def server_variable(run_id: int, index: int) -> str:
+    """Where a placed server announces its URL (Prefect variable names: lowercase, underscores)."""
+    return f"oolong_run_{run_id}_server_{index}"
+
+
+def master_variable(run_id: int) -> str:
+    """Where the first trainer node announces its rendezvous address."""
+    return f"oolong_run_{run_id}_trainer_master"
+
+
+def wait_variable(name: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while (value := Variable.get(name)) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing announced at Prefect variable {name!r} in {timeout_s:.0f}s")
+        time.sleep(0.5)
+    return str(value)
+
+
+def _env(run_dir: Path, run_id: int) -> dict[str, str]:
+    path = os.pathsep.join(p for p in [str(run_dir), os.environ.get("PYTHONPATH", "")] if p)
+    return process_env({"PYTHONPATH": path, "OOLONG_RUN_ID": str(run_id),
+                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+
+
+def _run_until_exit(proc: ManagedProcess, what: str) -> None:
+    """Hold the flow while ``proc`` runs; SIGTERM (the worker cancelling this flow run) stops
+    the process group first."""
+
+    def stop(signum, frame):  # noqa: ARG001 - signal handler signature
+        proc.stop(grace_s=10.0)
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        while proc.alive():
+            time.sleep(0.5)
+    finally:
+        proc.stop(grace_s=10.0)
+    code = proc.poll()
+    if code != 0:
+        raise RuntimeError(f"{what} on {node_address()} exited with {code}:\n{proc.log_tail(1500)}")
+
+
+@flow(name="rollout-server")
+def rollout_server(run_id: int, tracker_url: str, ingest_token: str, index: int,
+                   health_timeout_s: float = 300.0) -> None:
+    logger = get_run_logger()
+    run_dir = flow_run_dir(run_id)
+    spec, _ = prepare_remote_run(tracker_url, ingest_token, run_dir)
+    host, port = node_address(), free_port()
+    url = f"http://{host}:{port}"
+    model_dir = str(run_model_dir(spec, run_dir))
+    if spec.rollout.backend == "sglang":
+        cmd = sglang_server_command(model_dir, port, host=host)
+    else:
+        cmd = embedded_server_command(model_dir, port, host=host, threads=spec.rollout.server_threads,
+                                      max_batch_size=spec.rollout.max_batch_size,
+                                      seed=spec.seed + index, parent_pid=os.getpid())
+    proc = server_process(f"rollout server {index}", cmd, url,
+                          run_dir / "logs" / f"rollout-server-{index}.log", _env(run_dir, run_id)).start()
+    proc.wait_healthy(health_timeout_s)
+    Variable.set(server_variable(run_id, index), url, overwrite=True)
+    logger.info("rollout server %d serving at %s", index, url)
+    _run_until_exit(proc, f"rollout server {index}")
+
+
+@flow(name="trainer")
+def trainer_node(run_id: int, tracker_url: str, ingest_token: str, node_rank: int, nnodes: int,
+                 server_urls: list[str], resume: bool = False,
+                 rendezvous_timeout_s: float = 300.0) -> None:
+    run_dir = flow_run_dir(run_id)
+    _, spec_path = prepare_remote_run(tracker_url, ingest_token, run_dir)
+    if node_rank == 0:  # the first trainer node hosts the rendezvous on a port free here
+        master_address, master_port = node_address(), free_port()
+        Variable.set(master_variable(run_id), f"{master_address}:{master_port}", overwrite=True)
+    else:
+        master_address, _, port = wait_variable(master_variable(run_id),
+                                                rendezvous_timeout_s).rpartition(":")
+        master_port = int(port)
+    # A resume on fresh nodes finds its checkpoint in the durable store (OOLONG_CHECKPOINT_STORE).
+    source = ["--resume", str(run_dir)] if resume else ["--config", str(spec_path)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+           "--node_rank", str(node_rank), "--nproc_per_node", "1", "--master_addr",
+           master_address, "--master_port", str(master_port), "--module", "training_core.cli",
+           "train", "--no-progress", *source,
+           f"rollout.server_urls=[{','.join(server_urls)}]", "weight_sync=distributed",
+           "metrics.report_status=false"]
+    proc = ManagedProcess(f"trainer node {node_rank}", cmd, run_dir / "logs" / "trainer.log",
+                          env=_env(run_dir, run_id)).start()
+    _run_until_exit(proc, f"trainer node {node_rank}")

@@ -1,0 +1,193 @@
+"""A run across nodes, with real parts on one machine: a Prefect server (on the project's
+PostgreSQL), three Prefect process workers acting as nodes (each its own address, 127.0.0.2-4,
+its own working and run directory, its own queue node-<i>), the web app, a Celery worker and the
+training-run flow. Nothing is shared between nodes but the network: weights travel over the
+weight update group, data and reward code come from the web app."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.conftest import (
+    ROOT,
+    create_run,
+    run_processes,
+    run_status,
+    wait_for,
+)
+from training_core.launch import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.multinode]
+POOL = "oolong-nodes"
+NODES = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+
+
+def _prefect_env(api_url: str, home: Path) -> dict[str, str]:
+    env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_HOME": str(home),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "platform")])}
+    env.pop("DATABASE_URL", None)  # nodes hold no database credentials
+    return env
+
+
+def _spawn(cmd: list[str], log: Path, env: dict, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def nodes(tmp_path, monkeypatch):
+    """Prefect server + pool + one worker per node; sets the environment the web app's stack
+    passes on (PREFECT_API_URL, the static node list, the pool). The training-run flow
+    registers the node deployments itself."""
+    db = "oolong_prefect_multinode"
+    subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-c", f"DROP DATABASE IF EXISTS {db}"],
+                   capture_output=True)
+    subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-c", f"CREATE DATABASE {db}"],
+                   check=True, capture_output=True)
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    home = tmp_path / "prefect-home"
+    env = _prefect_env(api, home)
+    server_env = {**env, "PREFECT_API_DATABASE_CONNECTION_URL":
+                  f"postgresql+asyncpg://postgres@127.0.0.1:5432/{db}"}
+    procs = [_spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                     "--port", str(port)], tmp_path / "prefect-server.log", server_env, tmp_path)]
+    try:
+        wait_for(lambda: _healthy(api), 120, "the Prefect server")
+        subprocess.run([sys.executable, "-m", "prefect", "work-pool", "create", POOL, "--type",
+                        "process"], env=env, check=True, capture_output=True, timeout=120)
+        dirs = []
+        for i, address in enumerate(NODES):
+            node_dir = tmp_path / f"node-{i}"
+            (node_dir / "runs").mkdir(parents=True)
+            dirs.append(node_dir)
+            node_env = {**env, "OOLONG_NODE_ADDRESS": address, "OOLONG_RUNS_DIR": str(node_dir / "runs"),
+                        "PREFECT_WORKER_QUERY_SECONDS": "2"}
+            procs.append(_spawn([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL,
+                                 "--work-queue", f"node-{i}", "--type", "process", "--name",
+                                 f"node-{i}"], node_dir / "worker.log", node_env, node_dir))
+        for i, node_dir in enumerate(dirs):
+            wait_for(lambda d=node_dir: "started" in (d / "worker.log").read_text().lower(), 120,
+                     f"the worker of node-{i}")
+        monkeypatch.setenv("PREFECT_API_URL", api)
+        monkeypatch.setenv("OOLONG_STATIC_NODES", ",".join(NODES))
+        monkeypatch.setenv("OOLONG_NODE_POOL", POOL)
+        yield {"api": api, "dirs": dirs, "procs": procs, "env": env}
+    finally:
+        for proc in reversed(procs):
+            _kill(proc)
+
+
+def _healthy(api: str) -> bool:
+    try:
+        return httpx.get(api + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _events(run_id: int) -> list[tuple[str, str]]:
+    from webapp.runs.models import RunEvent
+
+    return list(RunEvent.objects.filter(run_id=run_id).order_by("id").values_list("kind", "message"))
+
+
+def test_two_servers_on_two_nodes_and_a_two_node_trainer(nodes, stack, project_setup):
+    from webapp.runs.models import Run
+    from webapp.tracking.models import MetricPoint, TrajectorySample
+
+    steps = 4
+    run_id = create_run(project_setup, "across-nodes",
+                        trainer={"steps": steps, "batch_groups": 2},
+                        rollout={"num_servers": 2},
+                        orchestration={"provider": "static",
+                                       "placement": {"trainer_nodes": 2, "server_nodes": [1, 2]}})
+    wait_for(lambda: run_status(run_id) in ("succeeded", "failed", "cancelled"), 900, "the run to end")
+    run = Run.objects.get(id=run_id)
+    assert run.status == "succeeded", (run.status_reason, _events(run_id))
+    versions = sorted(set(MetricPoint.objects.filter(run=run, key="version")
+                          .values_list("value", flat=True)))
+    assert versions == [float(v) for v in range(1, steps + 1)]
+    # Tokens of versions > 0 were generated by servers that got the weights over the network:
+    # no node has a weights folder to load them from.
+    token_versions = {v for t in TrajectorySample.objects.filter(run=run) for v in t.token_versions}
+    assert max(token_versions) >= 1, token_versions
+    run_dirs = [d / "runs" / "flows" / f"run-{run_id}" for d in nodes["dirs"]]
+    assert not any((d / "weights").exists() for d in run_dirs)
+    # Each process ran on its node, in that node's own directory.
+    logs = [{p.name for p in (d / "logs").glob("*.log")} if d.exists() else set() for d in run_dirs]
+    assert "trainer.log" in logs[0] and "trainer.log" in logs[1] and "trainer.log" not in logs[2]
+    assert "rollout-server-0.log" in logs[1] and "rollout-server-1.log" in logs[2]
+    # Every server followed the trainer's versions: the weights arrived over the network.
+    assert f"rollout servers end at weight_version {steps}, {steps}" in [
+        m for k, m in _events(run_id) if k == "fleet"]
+    placements = [m for k, m in _events(run_id) if k == "placement"]
+    assert placements == ["rollout server 0 on node-1", "rollout server 1 on node-2"]
+    wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")
+
+
+def _kill_node(nodes: dict, index: int) -> None:
+    """The node dies: its worker and every process of the run on it, at once (SIGKILL)."""
+    worker = nodes["procs"][1 + index]  # [prefect server, node-0, node-1, node-2]
+    run_dir_marker = str(nodes["dirs"][index])
+    victims = {worker.pid}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if run_dir_marker.encode() in (entry / "environ").read_bytes():
+                    victims.add(int(entry.name))
+            except OSError:
+                continue
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_node_that_dies_fails_the_run_naming_it_and_nothing_is_left(nodes, stack, project_setup):
+    from webapp.runs.models import Run
+
+    run_id = create_run(project_setup, "node-dies", trainer={"steps": 500, "batch_groups": 2},
+                        rollout={"num_servers": 2},
+                        orchestration={"provider": "static", "heartbeat_timeout_s": 10,
+                                       "placement": {"trainer_nodes": 1, "server_nodes": [1, 2]}})
+    wait_for(lambda: run_status(run_id) == "running", 300, "the run to start")
+    server_log = nodes["dirs"][2] / "runs" / "flows" / f"run-{run_id}" / "logs" / "rollout-server-1.log"
+    wait_for(server_log.exists, 60, "the server on node-2")
+    _kill_node(nodes, 2)
+    wait_for(lambda: run_status(run_id) in ("failed", "succeeded", "cancelled"), 180, "the run to end")
+    run = Run.objects.get(id=run_id)
+    assert run.status == "failed"
+    assert "rollout server 1 on node-2" in run.status_reason and "not answered" in run.status_reason
+    wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")
+
+
+def test_cancel_from_the_web_app_stops_every_process_on_every_node(nodes, stack, project_setup):
+    run_id = create_run(project_setup, "cancel-across", trainer={"steps": 500, "batch_groups": 2},
+                        rollout={"num_servers": 2},
+                        orchestration={"provider": "static",
+                                       "placement": {"trainer_nodes": 2, "server_nodes": [1, 2]}})
+    wait_for(lambda: run_status(run_id) == "running", 300, "the run to start")
+    wait_for(lambda: len(run_processes(run_id)) >= 6, 120, "the trainers and servers to run")
+    project_setup["api"].post(f"/api/runs/{run_id}/cancel/")
+    wait_for(lambda: not run_processes(run_id), 30, "every process on every node to exit")
+    wait_for(lambda: run_status(run_id) == "cancelled", 60, "the cancelled status")

@@ -1,0 +1,45 @@
+"""Which node runs what: the placement plan from the run spec and the provider's nodes."""
+
+from __future__ import annotations
+
+import pytest
+from orchestration.placed import plan
+from orchestration.providers.base import Node, NodeInventory, node_queue
+from orchestration.providers.static import StaticNodeProvider
+
+from training_core.config import load_spec
+
+
+def _nodes(n: int) -> NodeInventory:
+    return NodeInventory([Node(address=f"127.0.0.{i + 2}") for i in range(n)])
+
+
+def test_default_trainer_on_the_first_node_servers_on_the_rest():
+    spec = load_spec(None, ["rollout.num_servers=4"])
+    p = plan(spec, _nodes(3))
+    assert p.trainer_nodes == [0]
+    assert p.server_nodes == [1, 2, 1, 2]
+
+
+def test_explicit_nodes_and_a_trainer_that_uses_every_node():
+    spec = load_spec(None, ["rollout.num_servers=3", "orchestration.placement.trainer_nodes=2"])
+    assert plan(spec, _nodes(2)).server_nodes == [0, 1, 0]  # no node left: servers share them
+    spec = load_spec(None, ["rollout.num_servers=2", "orchestration.placement.trainer_nodes=2",
+                            "orchestration.placement.server_nodes=[1, 2]"])
+    p = plan(spec, _nodes(3))
+    assert p.trainer_nodes == [0, 1] and p.server_nodes == [1, 2]
+    assert [node_queue(n) for n in p.server_nodes] == ["node-1", "node-2"]
+
+
+def test_impossible_placements_name_the_field():
+    with pytest.raises(ValueError, match="placement.trainer_nodes is 3 but the provider gave 2"):
+        plan(load_spec(None, ["orchestration.placement.trainer_nodes=3"]), _nodes(2))
+    with pytest.raises(ValueError, match=r"placement.server_nodes \[5\]: nodes are 0..1"):
+        plan(load_spec(None, ["orchestration.placement.server_nodes=[5]"]), _nodes(2))
+
+
+def test_static_provider_reads_the_deployments_node_list():
+    inv = StaticNodeProvider("10.0.0.5:8, 10.0.0.6:8").provision(7, {})
+    assert [(n.address, n.gpus) for n in inv.nodes] == [("10.0.0.5", 8), ("10.0.0.6", 8)]
+    with pytest.raises(RuntimeError, match="OOLONG_STATIC_NODES"):
+        StaticNodeProvider("").provision(7, {})
