@@ -54,6 +54,14 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture
+def admin(project_setup):
+    """Placement across nodes is infrastructure: the run's creator is an administrator."""
+    project_setup["user"].is_staff = True
+    project_setup["user"].save()
+    return project_setup
+
+
+@pytest.fixture
 def nodes(tmp_path, monkeypatch):
     """Prefect server + pool + one worker per node; sets the environment the web app's stack
     passes on (PREFECT_API_URL, the static node list, the pool). The training-run flow
@@ -110,12 +118,12 @@ def _events(run_id: int) -> list[tuple[str, str]]:
     return list(RunEvent.objects.filter(run_id=run_id).order_by("id").values_list("kind", "message"))
 
 
-def test_two_servers_on_two_nodes_and_a_two_node_trainer(nodes, stack, project_setup):
+def test_two_servers_on_two_nodes_and_a_two_node_trainer(nodes, stack, admin):
     from webapp.runs.models import Run
     from webapp.tracking.models import MetricPoint, TrajectorySample
 
     steps = 4
-    run_id = create_run(project_setup, "across-nodes",
+    run_id = create_run(admin, "across-nodes",
                         trainer={"steps": steps, "batch_groups": 2},
                         rollout={"num_servers": 2},
                         orchestration={"provider": "static",
@@ -163,10 +171,10 @@ def _kill_node(nodes: dict, index: int) -> None:
             pass
 
 
-def test_a_node_that_dies_fails_the_run_naming_it_and_nothing_is_left(nodes, stack, project_setup):
+def test_a_node_that_dies_fails_the_run_naming_it_and_nothing_is_left(nodes, stack, admin):
     from webapp.runs.models import Run
 
-    run_id = create_run(project_setup, "node-dies", trainer={"steps": 500, "batch_groups": 2},
+    run_id = create_run(admin, "node-dies", trainer={"steps": 500, "batch_groups": 2},
                         rollout={"num_servers": 2},
                         orchestration={"provider": "static", "heartbeat_timeout_s": 10,
                                        "placement": {"trainer_nodes": 1, "server_nodes": [1, 2]}})
@@ -181,13 +189,13 @@ def test_a_node_that_dies_fails_the_run_naming_it_and_nothing_is_left(nodes, sta
     wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")
 
 
-def test_cancel_from_the_web_app_stops_every_process_on_every_node(nodes, stack, project_setup):
-    run_id = create_run(project_setup, "cancel-across", trainer={"steps": 500, "batch_groups": 2},
+def test_cancel_from_the_web_app_stops_every_process_on_every_node(nodes, stack, admin):
+    run_id = create_run(admin, "cancel-across", trainer={"steps": 500, "batch_groups": 2},
                         rollout={"num_servers": 2},
                         orchestration={"provider": "static",
                                        "placement": {"trainer_nodes": 2, "server_nodes": [1, 2]}})
     wait_for(lambda: run_status(run_id) == "running", 300, "the run to start")
     wait_for(lambda: len(run_processes(run_id)) >= 6, 120, "the trainers and servers to run")
-    project_setup["api"].post(f"/api/runs/{run_id}/cancel/")
+    admin["api"].post(f"/api/runs/{run_id}/cancel/")
     wait_for(lambda: not run_processes(run_id), 30, "every process on every node to exit")
     wait_for(lambda: run_status(run_id) == "cancelled", 60, "the cancelled status")

@@ -14,6 +14,7 @@ from webapp.datasets.models import DatasetVersion
 from webapp.datasets.selectors import dataset_version_prompt_template
 from webapp.rewards.models import RewardFunctionVersion
 from webapp.runs.models import Run, RunEvent, RunToken, token_hash
+from webapp.runs.policy import check_spec_allowed
 
 
 def run_spec_validate(*, spec: dict[str, Any]) -> dict[str, Any]:
@@ -49,6 +50,7 @@ def run_create(*, project: Project, user, name: str, dataset_version: DatasetVer
     if template is not None:
         spec["data"].setdefault("prompt_template", template)
     resolved = run_spec_validate(spec=spec)
+    check_spec_allowed(user=user, spec=resolved)
     resolved["reward"]["fn"] = reward_version.fn_path
     run = Run.objects.create(project=project, name=name, dataset_version=dataset_version,
                              reward_version=reward_version, spec=resolved, created_by=user)

@@ -1,0 +1,60 @@
+"""Who may set what in a run spec. Infrastructure fields decide where code runs, what it reaches
+and what it costs: they are for site administrators (``is_staff``), not for project members (a
+member owns the projects they create, so project ownership cannot be the gate). Members create
+runs from what administrators registered: the built-in models, the registered workflows, this
+deployment's reward backend, servers and nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from webapp.core.errors import ApplicationError
+
+REGISTERED_MODELS = ("tiny", "smollm2")  # training_core.models.loading builds these locally
+
+
+def _default(path: str) -> Any:
+    from training_core.config import RunSpec
+
+    node: Any = RunSpec()
+    for part in path.split("."):
+        node = getattr(node, part)
+    return node.model_dump(mode="json") if hasattr(node, "model_dump") else node
+
+
+def _get(spec: dict[str, Any], path: str) -> Any:
+    node: Any = spec
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _default(path)
+        node = node[part]
+    return node
+
+
+def infrastructure_fields(spec: dict[str, Any]) -> list[str]:
+    """The dotted fields of a resolved spec that only an administrator may set."""
+    from training_core.workflows import WORKFLOWS
+
+    found = []
+    for path in ("orchestration.provider", "orchestration.terraform_vars", "rollout.server_urls",
+                 "reward.remote_backend", "run_dir"):
+        if _get(spec, path) != _default(path):
+            found.append(path)
+    if _get(spec, "model.path") not in REGISTERED_MODELS:
+        found.append("model.path")
+    if _get(spec, "rollout.workflow") not in WORKFLOWS:
+        found.append("rollout.workflow")
+    return found
+
+
+def check_spec_allowed(*, user, spec: dict[str, Any]) -> None:
+    if getattr(user, "is_staff", False):
+        return
+    fields = infrastructure_fields(spec)
+    if fields:
+        raise ApplicationError(
+            f"only administrators can set {', '.join(fields)}: infrastructure fields decide "
+            "where code runs and what it reaches; use the defaults or ask an administrator",
+            errors=[{"field": f"spec.{f}", "message": "administrators only"} for f in fields],
+            status_code=403)
