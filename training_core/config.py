@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class SpecError(ValueError):
@@ -180,6 +187,33 @@ class MetricsSpec(_Section):
     report_status: bool = True
 
 
+class TerraformVarsSpec(_Section):
+    """The variables a run passes to infra/terraform/run: typed, each checked, nothing free-form
+    (they end up in cloud-init, which runs as root). ``run_id`` is the run's own, never given."""
+
+    region: str = Field(..., pattern=r"^[a-z]{2}(-[a-z]+)+-\d$")
+    availability_zone: str = Field(..., pattern=r"^[a-z]{2}(-[a-z]+)+-\d[a-z]$")
+    instance_type: str = Field(..., pattern=r"^[a-z0-9-]+\.[a-z0-9-]+$")
+    node_count: int = Field(..., ge=1, le=64)
+    disk_size_gb: int = Field(200, ge=20, le=16384)
+    spot: bool = False
+    prefect_api_url: str = Field(..., pattern=r"^https?://[^\s\"'\\`$]+$")
+    control_plane_cidrs: list[str] = Field(default_factory=list)
+    ssh_allowed_cidrs: list[str] = Field(default_factory=list)
+
+    @field_validator("control_plane_cidrs", "ssh_allowed_cidrs")
+    @classmethod
+    def _cidrs(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"{cidr!r} is not a CIDR block (e.g. 10.0.0.0/16)") from None
+        return value
+
+
 class PlacementSpec(_Section):
     trainer_nodes: int = Field(1, ge=1, description=(
         "how many nodes run the trainer (the first ones); one launcher per node, rank 0 on the "
@@ -195,7 +229,7 @@ class OrchestrationSpec(_Section):
     # Prefect work queue (placement).
     provider: Literal["local", "static", "terraform"] = "local"
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
-    terraform_vars: dict[str, Any] = Field(default_factory=dict)
+    terraform_vars: TerraformVarsSpec | None = None
     heartbeat_timeout_s: float = Field(900.0, gt=0)
     max_server_restarts: int = Field(2, ge=0)
 

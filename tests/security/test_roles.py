@@ -25,8 +25,10 @@ def _create(api, project, dataset_version, reward_version, spec):  # noqa: F811
 @pytest.mark.parametrize("spec,field", [
     ({"orchestration": {"provider": "terraform"}}, "orchestration.provider"),
     ({"orchestration": {"provider": "static"}}, "orchestration.provider"),
-    ({"orchestration": {"terraform_vars": {"ssh_allowed_cidrs": ["0.0.0.0/0"]}}},
-     "orchestration.terraform_vars"),
+    ({"orchestration": {"terraform_vars": {
+        "region": "us-east-1", "availability_zone": "us-east-1a", "instance_type": "p5.48xlarge",
+        "node_count": 64, "prefect_api_url": "https://prefect.example/api",
+        "ssh_allowed_cidrs": ["0.0.0.0/0"]}}}, "orchestration.terraform_vars"),
     ({"rollout": {"server_urls": ["http://10.0.0.9:30000"]}}, "rollout.server_urls"),
     ({"model": {"path": "/etc"}}, "model.path"),
     ({"rollout": {"workflow": "os:system"}}, "rollout.workflow"),

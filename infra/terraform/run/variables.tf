@@ -38,6 +38,12 @@ variable "spot" {
 variable "prefect_api_url" {
   type        = string
   description = "Prefect server API the nodes' workers join."
+
+  validation {
+    # It is written into cloud-init, which runs as root: no whitespace, quotes or expansions.
+    condition     = can(regex("^https?://[^\\s\"'`$\\\\]+$", var.prefect_api_url))
+    error_message = "prefect_api_url must be an http(s) URL without whitespace, quotes or $."
+  }
 }
 
 variable "control_plane_cidrs" {

@@ -79,11 +79,12 @@ class TerraformNodeProvider:
     @staticmethod
     def render_vars(run_id: int, spec: dict) -> dict:
         given = dict((spec.get("orchestration") or {}).get("terraform_vars") or {})
-        missing = [k for k in REQUIRED_VARS if k not in given]
+        missing = [k for k in REQUIRED_VARS if given.get(k) is None]
         if missing:
             raise TerraformError("orchestration.terraform_vars is missing " + ", ".join(missing)
                                  + f" (needs {', '.join(REQUIRED_VARS)})")
-        return {"run_id": run_id, **given}
+        # Typed and checked by the run spec (TerraformVarsSpec); the run id is always the run's.
+        return {**{k: v for k, v in given.items() if v is not None}, "run_id": run_id}
 
     @staticmethod
     def parse_outputs(raw: str) -> NodeInventory:
