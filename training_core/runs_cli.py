@@ -1,4 +1,4 @@
-"""`oolong runs create|list|watch|cancel|compare`: the REST API from a terminal or CI.
+"""`oolong runs create|list|watch|cancel|resume|compare`: the REST API from a terminal or CI.
 
 Server and credentials come from --url/--token or OOLONG_URL/OOLONG_TOKEN (a user API token;
 get one with POST /api/auth/token/ or `manage.py oolong_user`).
@@ -109,6 +109,13 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_resume(args: argparse.Namespace) -> int:
+    with _client(args) as http:
+        run = _check(http.post(f"/api/runs/{args.run_id}/resume/"))
+    print(f"run {run['id']}: {run['status']} (resuming from the latest checkpoint)")
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     with _client(args) as http:
         body = _check(http.get("/api/runs/compare/", params={"ids": ",".join(map(str, args.run_ids)),
@@ -152,6 +159,9 @@ def add_runs_parser(sub: argparse._SubParsersAction) -> None:
     x = rs.add_parser("cancel")
     x.add_argument("run_id", type=int)
     x.set_defaults(fn=cmd_cancel)
+    r = rs.add_parser("resume", help="start a failed or cancelled run again from its checkpoint")
+    r.add_argument("run_id", type=int)
+    r.set_defaults(fn=cmd_resume)
     cmp_ = rs.add_parser("compare")
     cmp_.add_argument("run_ids", type=int, nargs="+")
     cmp_.add_argument("--keys", nargs="+", default=["reward/mean", "eval/accuracy", "staleness/mean"])

@@ -141,6 +141,7 @@ class PlacedRun:
         with it, and nobody reports its flow runs' end), or a cancel."""
         timeout = self.spec.orchestration.heartbeat_timeout_s
         last_seen = [time.monotonic()] * len(self.urls)
+        last_step, progressed = None, time.monotonic()
         while True:
             now = time.monotonic()
             for i, url in enumerate(self.urls):
@@ -156,10 +157,18 @@ class PlacedRun:
                 if state in TERMINAL and not (p in self.trainers and state == "COMPLETED"):
                     return Outcome("failed", f"{p.what} ended: {state} {self._message(p)}".strip())
             try:
-                if tracker.run_info().get("cancel_requested"):
-                    return Outcome("cancelled", "cancelled by user")
+                info = tracker.run_info()
             except Exception:  # noqa: BLE001 - the web app may be restarting; ask again
-                pass
+                info = {}
+            if info.get("cancel_requested"):
+                return Outcome("cancelled", "cancelled by user")
+            # A trainer node that dies reports nothing either: once steps come, they must keep
+            # coming (before the first one, startup time is the flow runs' own business).
+            if info and info.get("last_step") != last_step:
+                last_step, progressed = info.get("last_step"), now
+            elif last_step is not None and now - progressed > timeout:
+                return Outcome("failed", f"the trainer ({', '.join(p.what for p in self.trainers)}) "
+                                         f"made no progress for {timeout:.0f}s")
             time.sleep(poll_s)
 
     def server_versions(self) -> list[str]:

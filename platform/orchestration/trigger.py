@@ -40,14 +40,18 @@ def prefect_env() -> dict[str, str]:
 
 
 def submit_training_run(*, run_id: int, tracker_url: str, ingest_token: str,
-                        provider: str = "local") -> str:
+                        provider: str = "local", attempt: int = 1) -> str:
+    """Start the run's flow; attempts after the first resume from the latest checkpoint."""
     mode = os.environ.get("OOLONG_PREFECT_MODE", "local")
+    resume = attempt > 1
     if mode == "server":
         from prefect.deployments import run_deployment
 
-        flow_run = run_deployment(DEPLOYMENT, timeout=0, idempotency_key=f"oolong-run-{run_id}",
+        flow_run = run_deployment(DEPLOYMENT, timeout=0,
+                                  idempotency_key=f"oolong-run-{run_id}-{attempt}",
                                   parameters={"run_id": run_id, "tracker_url": tracker_url,
-                                              "ingest_token": ingest_token, "provider": provider})
+                                              "ingest_token": ingest_token, "provider": provider,
+                                              "resume": resume})
         return f"prefect:{flow_run.id}"
     runs_dir = flow_run_dir(run_id)
     runs_dir.mkdir(parents=True, exist_ok=True)
@@ -56,7 +60,7 @@ def submit_training_run(*, run_id: int, tracker_url: str, ingest_token: str,
     env["OOLONG_RUN_ID"] = str(run_id)  # inherited by every process of the run (teardown checks)
     proc = subprocess.Popen(
         [sys.executable, "-m", "orchestration.flows.training_run", "--run-id", str(run_id),
-         "--tracker-url", tracker_url, "--provider", provider],
+         "--tracker-url", tracker_url, "--provider", provider, *(["--resume"] if resume else [])],
         cwd=ROOT, env=env, stdout=(runs_dir / "flow.log").open("a"), stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL, start_new_session=True)
     return f"local:{proc.pid}"

@@ -83,26 +83,31 @@ def nodes(tmp_path, monkeypatch):
         wait_for(lambda: _healthy(api), 120, "the Prefect server")
         subprocess.run([sys.executable, "-m", "prefect", "work-pool", "create", POOL, "--type",
                         "process"], env=env, check=True, capture_output=True, timeout=120)
-        dirs = []
-        for i, address in enumerate(NODES):
-            node_dir = tmp_path / f"node-{i}"
-            (node_dir / "runs").mkdir(parents=True)
-            dirs.append(node_dir)
-            node_env = {**env, "OOLONG_NODE_ADDRESS": address, "OOLONG_RUNS_DIR": str(node_dir / "runs"),
-                        "PREFECT_WORKER_QUERY_SECONDS": "2"}
-            procs.append(_spawn([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL,
-                                 "--work-queue", f"node-{i}", "--type", "process", "--name",
-                                 f"node-{i}"], node_dir / "worker.log", node_env, node_dir))
-        for i, node_dir in enumerate(dirs):
-            wait_for(lambda d=node_dir: "started" in (d / "worker.log").read_text().lower(), 120,
-                     f"the worker of node-{i}")
+        store = tmp_path / "checkpoint-store"  # durable: outlives every node
+        dirs = [_start_node(procs, env, tmp_path / f"node-{i}", i, address, store)
+                for i, address in enumerate(NODES)]
         monkeypatch.setenv("PREFECT_API_URL", api)
         monkeypatch.setenv("OOLONG_STATIC_NODES", ",".join(NODES))
         monkeypatch.setenv("OOLONG_NODE_POOL", POOL)
-        yield {"api": api, "dirs": dirs, "procs": procs, "env": env}
+        yield {"api": api, "dirs": dirs, "procs": procs, "env": env, "store": store,
+               "tmp": tmp_path}
     finally:
         for proc in reversed(procs):
             _kill(proc)
+
+
+def _start_node(procs: list, env: dict, node_dir: Path, queue_index: int, address: str,
+                store: Path) -> Path:
+    """A node: its own directory and address, a process worker on queue node-<i>."""
+    (node_dir / "runs").mkdir(parents=True)
+    node_env = {**env, "OOLONG_NODE_ADDRESS": address, "OOLONG_RUNS_DIR": str(node_dir / "runs"),
+                "OOLONG_CHECKPOINT_STORE": f"file://{store}", "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    procs.append(_spawn([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL,
+                         "--work-queue", f"node-{queue_index}", "--type", "process", "--name",
+                         node_dir.name], node_dir / "worker.log", node_env, node_dir))
+    wait_for(lambda: "started" in (node_dir / "worker.log").read_text().lower(), 120,
+             f"the worker of {node_dir.name}")
+    return node_dir
 
 
 def _healthy(api: str) -> bool:
@@ -199,3 +204,41 @@ def test_cancel_from_the_web_app_stops_every_process_on_every_node(nodes, stack,
     admin["api"].post(f"/api/runs/{run_id}/cancel/")
     wait_for(lambda: not run_processes(run_id), 30, "every process on every node to exit")
     wait_for(lambda: run_status(run_id) == "cancelled", 60, "the cancelled status")
+
+
+def test_a_failed_run_resumes_on_a_fresh_node_from_the_durable_store(nodes, stack, admin):
+    """The trainer's node dies after a checkpoint reached the store; a new machine (another
+    address, an empty directory) takes over its queue; resume continues from the store."""
+    from webapp.runs.models import Run
+    from webapp.tracking.models import MetricPoint
+
+    steps = 30
+    run_id = create_run(admin, "resume-elsewhere",
+                        trainer={"steps": steps, "batch_groups": 2},
+                        checkpoint={"every": 2, "keep": 2}, rollout={"num_servers": 2},
+                        orchestration={"provider": "static", "heartbeat_timeout_s": 15,
+                                       "placement": {"trainer_nodes": 1, "server_nodes": [1, 2]}})
+    stored = nodes["store"] / f"run-{run_id}" / "checkpoints"
+    wait_for(lambda: any(stored.glob("step*/COMPLETE")), 300, "a checkpoint in the store")
+    _kill_node(nodes, 0)
+    wait_for(lambda: run_status(run_id) in ("failed", "succeeded"), 180, "the run to fail")
+    run = Run.objects.get(id=run_id)
+    assert run.status == "failed" and "trainer node 0 on node-0" in run.status_reason, \
+        run.status_reason
+
+    fresh = _start_node(nodes["procs"], nodes["env"], nodes["tmp"] / "node-0-replacement", 0,
+                        "127.0.0.5", nodes["store"])
+    resp = admin["api"].post(f"/api/runs/{run_id}/resume/")
+    assert resp.status_code == 202, resp.json()
+    wait_for(lambda: run_status(run_id) in ("failed", "succeeded", "cancelled") and
+             Run.objects.get(id=run_id).attempt == 2, 600, "the resumed run to end")
+    run = Run.objects.get(id=run_id)
+    assert run.status == "succeeded", (run.status_reason, _events(run_id)[-8:])
+    resumed = [m for k, m in _events(run_id) if k == "resumed"]
+    assert resumed and "from step" in resumed[-1], _events(run_id)[-12:]
+    run_dir = fresh / "runs" / "flows" / f"run-{run_id}"
+    assert (run_dir / "logs" / "trainer.log").exists(), "the trainer ran on the new machine"
+    assert any((run_dir / "checkpoints").glob("step*/COMPLETE")), "fetched from the store"
+    last = MetricPoint.objects.filter(run=run, key="version").order_by("-step").first()
+    assert last.step == steps and last.value == steps
+    wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")

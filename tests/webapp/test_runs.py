@@ -3,7 +3,7 @@ import pytest
 from webapp.core.errors import ApplicationError
 from webapp.runs.models import Run
 from webapp.runs.selectors import run_config_diff
-from webapp.runs.services import run_cancel, run_create, run_status_set
+from webapp.runs.services import run_cancel, run_create, run_status_set, run_token_issue
 
 pytestmark = pytest.mark.django_db
 
@@ -140,3 +140,25 @@ def test_built_in_datasets_ship_their_prompt_template(project, alice, reward_ver
     own = run_create(project=project, user=alice, name="own", dataset_version=gsm,
                      reward_version=reward_version, spec={"data": {"prompt_template": "Q: {question}"}})
     assert own.spec["data"]["prompt_template"] == "Q: {question}"
+
+
+def test_resume_a_failed_or_cancelled_run_as_a_new_attempt(api, run, django_capture_on_commit_callbacks):
+    from webapp.runs.models import RunEvent, RunToken
+
+    run_status_set(run=run, status="running")
+    run_token_issue(run=run, purpose="orchestrator")
+    run_status_set(run=run, status="failed", reason="node-2 gone")
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        resp = api.post(f"/api/runs/{run.id}/resume/")
+    assert resp.status_code == 202, resp.json()
+    run.refresh_from_db()
+    assert (run.status, run.attempt, run.status_reason, run.finished_at) == ("queued", 2, "", None)
+    assert len(callbacks) == 1, "run_submit is enqueued once the resume commits"
+    assert RunEvent.objects.filter(run=run, kind="resume_requested").exists()
+    assert RunToken.objects.get(purpose="orchestrator").revoked_at, \
+        "the failed attempt's token stays void (the new attempt gets its own at submission)"
+    again = api.post(f"/api/runs/{run.id}/resume/")  # queued: nothing to resume
+    assert again.status_code == 409 and "this one is queued" in again.json()["message"]
+    run_status_set(run=run, status="running")
+    run_status_set(run=run, status="succeeded")
+    assert api.post(f"/api/runs/{run.id}/resume/").status_code == 409

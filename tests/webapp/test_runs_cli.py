@@ -47,6 +47,11 @@ def test_create_list_cancel_compare_watch(cli_env, capsys, tmp_path, project, da
     assert main(["runs", "cancel", str(b.id)]) == 0
     b.refresh_from_db()
     assert b.status == "cancelled"
+    assert main(["runs", "resume", str(b.id)]) == 0
+    b.refresh_from_db()
+    assert (b.status, b.attempt) == ("queued", 2)
+    assert main(["runs", "resume", str(b.id)]) != 0  # queued: nothing to resume
+    assert "this one is queued" in capsys.readouterr().err
 
 
 def test_errors_are_printed_with_fields(cli_env, capsys, project, dataset_version, reward_version):

@@ -24,6 +24,7 @@ urlpatterns = [
     path("runs/compare/", tracking.RunCompareApi.as_view()),
     path("runs/<int:run_id>/", tracking.RunDetailApi.as_view()),
     path("runs/<int:run_id>/cancel/", runs.RunCancelApi.as_view()),
+    path("runs/<int:run_id>/resume/", runs.RunResumeApi.as_view()),
     path("runs/<int:run_id>/events/", runs.RunEventsApi.as_view()),
     path("runs/<int:run_id>/metrics/", tracking.RunMetricsApi.as_view()),
     path("runs/<int:run_id>/trajectories/", tracking.RunTrajectoriesApi.as_view()),

@@ -7,6 +7,7 @@ urlpatterns = [
     path("runs/new/", views.run_new, name="run-new"),
     path("runs/<int:run_id>/", views.run_detail, name="run-detail"),
     path("runs/<int:run_id>/cancel/", views.run_cancel_view, name="run-cancel"),
+    path("runs/<int:run_id>/resume/", views.run_resume_view, name="run-resume"),
     path("compare/", views.run_compare, name="run-compare"),
     path("datasets/", views.dataset_list_view, name="dataset-list"),
     path("datasets/<int:dataset_id>/", views.dataset_detail, name="dataset-detail"),

@@ -38,7 +38,7 @@ from webapp.rewards.selectors import (
 from webapp.rewards.services import builtin_names, reward_function_create
 from webapp.runs.models import Run
 from webapp.runs.selectors import run_config_diff, run_event_recent, run_get, run_list
-from webapp.runs.services import run_cancel, run_create
+from webapp.runs.services import run_cancel, run_create, run_resume
 from webapp.tracking.selectors import (
     checkpoint_list,
     latest_metrics,
@@ -88,15 +88,26 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "spec_json": json.dumps(run.spec, indent=2)})
 
 
-@login_required
-@require_POST
-def run_cancel_view(request: HttpRequest, run_id: int) -> HttpResponse:
+def _run_action(request: HttpRequest, run_id: int, action, done: str) -> HttpResponse:
+    """A button on the run page: the service decides, the page says what happened."""
     try:
-        run_cancel(run=run_get(user=request.user, run_id=run_id), user=request.user)
-        messages.success(request, "cancellation requested")
+        action(run=run_get(user=request.user, run_id=run_id), user=request.user)
+        messages.success(request, done)
     except ApplicationError as exc:
         messages.error(request, exc.message)
     return redirect("run-detail", run_id=run_id)
+
+
+@login_required
+@require_POST
+def run_cancel_view(request: HttpRequest, run_id: int) -> HttpResponse:
+    return _run_action(request, run_id, run_cancel, "cancellation requested")
+
+
+@login_required
+@require_POST
+def run_resume_view(request: HttpRequest, run_id: int) -> HttpResponse:
+    return _run_action(request, run_id, run_resume, "resuming from the latest checkpoint")
 
 
 @login_required

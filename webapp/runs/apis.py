@@ -10,7 +10,7 @@ from webapp.datasets.selectors import dataset_version_get
 from webapp.rewards.selectors import reward_version_get
 from webapp.runs.models import Run
 from webapp.runs.selectors import run_event_list, run_get, run_list
-from webapp.runs.services import run_cancel, run_create, run_token_issue
+from webapp.runs.services import run_cancel, run_create, run_resume, run_token_issue
 
 
 class RunOutput(serializers.Serializer):
@@ -71,6 +71,12 @@ class RunCreateApi(APIView):
 class RunCancelApi(APIView):
     def post(self, request, run_id: int):
         run = run_cancel(run=run_get(user=request.user, run_id=run_id), user=request.user)
+        return Response(RunOutput(run).data, status=202)
+
+
+class RunResumeApi(APIView):
+    def post(self, request, run_id: int):
+        run = run_resume(run=run_get(user=request.user, run_id=run_id), user=request.user)
         return Response(RunOutput(run).data, status=202)
 
 

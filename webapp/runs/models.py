@@ -38,6 +38,8 @@ class Run(models.Model):
     status = models.CharField(max_length=15, choices=Status.choices, default=Status.QUEUED, db_index=True)
     status_reason = models.TextField(blank=True)
     cancel_requested = models.BooleanField(default=False)
+    # 1 for the first submission; each resume of a failed or cancelled run adds one.
+    attempt = models.PositiveIntegerField(default=1)
     orchestrator_ref = models.CharField(max_length=100, blank=True, help_text="Prefect flow run id")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)

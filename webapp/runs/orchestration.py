@@ -31,7 +31,8 @@ def run_submit_to_orchestrator(*, run_id: int) -> str | None:
         # The flow's own token: only its hash stays here (rolled back if the submit fails).
         token = run_token_issue(run=run, purpose="orchestrator")
         ref = submit_training_run(run_id=run.id, tracker_url=settings.OOLONG_PUBLIC_URL,
-                                  ingest_token=token, provider=provider)
+                                  ingest_token=token, provider=provider,
+                                  attempt=run.attempt)
         run_orchestrator_ref_set(run=run, ref=ref)
     run_event_add(run=run, kind="submitted", message=f"flow started ({ref})")
     return ref

@@ -115,6 +115,29 @@ def run_cancel(*, run: Run, user) -> Run:
     return run
 
 
+@transaction.atomic
+def run_resume(*, run: Run, user) -> Run:
+    """Start a failed or cancelled run again from its latest checkpoint (the run directory's, or
+    the durable store's on fresh nodes). A new attempt: new tokens at submission, a new flow."""
+    run = Run.objects.select_for_update().get(id=run.id)
+    if run.status not in (Run.Status.FAILED, Run.Status.CANCELLED):
+        raise ApplicationError(f"only a failed or cancelled run can be resumed; this one is "
+                               f"{run.status}", field="status", status_code=409)
+    check_spec_allowed(user=user, spec=run.spec)
+    run.status = Run.Status.QUEUED
+    run.status_reason = ""
+    run.finished_at = None
+    run.cancel_requested = False
+    run.orchestrator_ref = ""
+    run.attempt += 1
+    run.save(update_fields=["status", "status_reason", "finished_at", "cancel_requested",
+                            "orchestrator_ref", "attempt"])
+    run_event_add(run=run, kind="resume_requested",
+                  message=f"resume requested by {user} (attempt {run.attempt})")
+    transaction.on_commit(lambda: enqueue("oolong.run_submit", run.id))
+    return run
+
+
 def run_orchestrator_ref_set(*, run: Run, ref: str) -> Run:
     Run.objects.filter(id=run.id).update(orchestrator_ref=ref)
     run.orchestrator_ref = ref

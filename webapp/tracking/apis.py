@@ -101,8 +101,11 @@ class RunInfoIngestApi(IngestApi):
 
     def get(self, request):
         run = self.run
+        # The last trained step the tracker has: the flow's heartbeat for trainers on other nodes.
+        last = run.latest_metrics.filter(key="version").values_list("step", flat=True).first()
         return Response({"id": run.id, "name": run.name, "status": run.status,
                          "cancel_requested": run.cancel_requested, "spec": run.spec,
+                         "attempt": run.attempt, "last_step": last,
                          "reward": {"fn": run.reward_version.fn_path,
                                     "source": run.reward_version.source}})
 

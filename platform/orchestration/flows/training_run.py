@@ -113,8 +113,8 @@ def wait_fleet_healthy(fleet: Fleet, timeout_s: float = 300.0) -> None:
 
 @task(name="start-trainer", cache_policy=NO_CACHE)  # side effects: never cached
 def start_trainer(spec_path: Path, fleet: Fleet, inventory: NodeInventory,
-                  run_dir: Path) -> ManagedProcess:
-    cmd = trainer_command(spec_path, fleet.urls, inventory, run_dir)
+                  run_dir: Path, resume: bool = False) -> ManagedProcess:
+    cmd = trainer_command(spec_path, fleet.urls, inventory, run_dir, resume=resume)
     (run_dir / "trainer.cmd").write_text(" ".join(cmd))
     return ManagedProcess("trainer", cmd, run_dir / "logs" / "trainer.log", env=_env(run_dir)).start()
 
@@ -144,7 +144,7 @@ def load_current_weights(run_dir: Path, url: str) -> None:
     asyncio.run(load())
 
 
-def run_placed(placed: PlacedRun, tracker: Tracker) -> Outcome:
+def run_placed(placed: PlacedRun, tracker: Tracker, *, resume: bool = False) -> Outcome:
     """The run across nodes: servers on theirs, then one trainer launcher per trainer node."""
     spec = placed.spec
     if spec.model.warm_start_seconds > 0:
@@ -157,7 +157,7 @@ def run_placed(placed: PlacedRun, tracker: Tracker) -> Outcome:
         tracker.event("placement", f"rollout server {i} on {node_queue(node)}")
     urls = placed.start_servers()
     tracker.event("fleet", f"{len(urls)} rollout server(s) healthy", urls=urls)
-    placed.start_trainers(urls)
+    placed.start_trainers(urls, resume=resume)
     tracker.status("running")
     tracker.event("trainer", "trainer placed on " + ", ".join(
         node_queue(n) for n in placed.placement.trainer_nodes) + " (weights over the network)")
@@ -169,7 +169,8 @@ def run_placed(placed: PlacedRun, tracker: Tracker) -> Outcome:
 
 
 @flow(name="training-run", log_prints=True)
-def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str = "local") -> str:
+def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str = "local",
+                 resume: bool = False) -> str:
     logger = get_run_logger()
     tracker = Tracker(tracker_url, ingest_token)
     run_dir = flow_run_dir(run_id)
@@ -183,13 +184,14 @@ def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str
             outcome = Outcome("cancelled", "cancelled before start")
             return outcome.status
         tracker.status("provisioning")
-        tracker.event("flow", f"flow started (provider {provider}); run directory {run_dir}")
+        how = f"provider {provider}" + (", resuming from the latest checkpoint" if resume else "")
+        tracker.event("flow", f"flow started ({how}); run directory {run_dir}")
         inventory = provision_nodes(provider, run_id, info["spec"])
         spec, spec_path = prepare_run(tracker_url, ingest_token, run_dir)
         if len(inventory.nodes) > 1:  # every process on a node's work queue
             placed = PlacedRun(run_id, tracker_url, ingest_token, spec, inventory,
                                plan(spec, inventory), node_pool(run_id, inventory))
-            outcome = run_placed(placed, tracker)
+            outcome = run_placed(placed, tracker, resume=resume)
             return outcome.status
         if spec.model.warm_start_seconds > 0:
             tracker.event("warm_start", f"supervised warm start for {spec.model.warm_start_seconds:.0f}s")
@@ -198,7 +200,7 @@ def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str
         wait_fleet_healthy(procs.fleet)
         tracker.event("fleet", f"{len(procs.fleet.urls)} rollout server(s) healthy",
                       urls=procs.fleet.urls)
-        procs.trainer = start_trainer(spec_path, procs.fleet, inventory, run_dir)
+        procs.trainer = start_trainer(spec_path, procs.fleet, inventory, run_dir, resume)
         tracker.status("running")
         tracker.event("trainer", f"trainer started (pid {procs.trainer.pid})")
 
@@ -239,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tracker-url", required=True)
     parser.add_argument("--token", default=os.environ.get("OOLONG_INGEST_TOKEN"))
     parser.add_argument("--provider", default="local")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint (a resumed attempt)")
     args = parser.parse_args(argv)
-    status = training_run(args.run_id, args.tracker_url, args.token, args.provider)
+    status = training_run(args.run_id, args.tracker_url, args.token, args.provider, args.resume)
     return 0 if status == "succeeded" else 1
 
 
