@@ -48,6 +48,7 @@ def _spec(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> int:
     from training_core.config import load_spec
+    from training_core.engines.deepspeed_trainer import finish_distributed
     from training_core.train import train
 
     if args.resume:
@@ -61,6 +62,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         spec = _spec(args)
         result = train(spec, progress=not args.no_progress)
+    finish_distributed()
     print(f"run directory: {result.run_dir}")
     if result.first_eval and result.last_eval:
         print(f"greedy eval accuracy: {result.first_eval['eval/accuracy']:.1%} -> "

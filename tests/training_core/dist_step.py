@@ -9,7 +9,11 @@ import torch
 from tests.training_core.test_deepspeed_trainer import _batch
 from training_core.algorithms.loss import decoupled_ppo_loss
 from training_core.algorithms.presets import PRESETS
-from training_core.engines.deepspeed_trainer import DeepSpeedTrainer, rank_and_world
+from training_core.engines.deepspeed_trainer import (
+    DeepSpeedTrainer,
+    finish_distributed,
+    rank_and_world,
+)
 from training_core.train import scatter_batch
 
 
@@ -25,6 +29,7 @@ def main(model_dir: str, out: str, zero_stage: int) -> None:
     path = t.save_weights(out)
     if rank_and_world()[0] == 0:  # global values: scale-sensitive, unlike Adam's weight update
         (path / "stats.json").write_text(json.dumps({"loss": stats["loss"], "tokens": stats["tokens"]}))
+    finish_distributed()  # an exit-time abort of one rank would fail the launcher
 
 
 if __name__ == "__main__":

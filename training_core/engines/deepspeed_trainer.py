@@ -101,6 +101,17 @@ def barrier() -> None:
         dist.barrier()
 
 
+def finish_distributed() -> None:
+    """Leave together and tear the default group down: a rank that exits while another still
+    holds its gloo pair can abort at exit, and the launcher then reports a finished run as
+    failed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        barrier()
+        dist.destroy_process_group()
+
+
 def _all_reduce_sum(values: list[float]) -> list[float]:
     import torch.distributed as dist
 
