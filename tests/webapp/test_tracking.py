@@ -23,6 +23,16 @@ def test_ingest_is_idempotent_and_tracks_latest(run):
     assert LatestMetric.objects.get(run=run, key="reward/mean").step == 14
 
 
+def test_a_resumed_run_replaces_the_points_of_the_steps_it_trains_again(run):
+    assert metrics_ingest(run=run, points=_points(range(6))) == 6  # attempt 1 dies after step 5
+    # attempt 2 resumes from the step-3 checkpoint: steps 4 and 5 again, with new values
+    assert metrics_ingest(run=run, points=_points(range(4, 8), f=lambda s: -s)) == 4
+    assert metrics_ingest(run=run, points=_points(range(4, 8), f=lambda s: -s)) == 0  # retried
+    values = dict(MetricPoint.objects.filter(run=run).values_list("step", "value"))
+    assert values == {0: 0.0, 1: 0.1, 2: 0.2, 3: 0.3, 4: -4.0, 5: -5.0, 6: -6.0, 7: -7.0}
+    assert LatestMetric.objects.get(run=run, key="reward/mean").value == -7.0
+
+
 def test_nan_points_are_skipped_and_bad_points_named(run):
     from webapp.core.errors import ApplicationError
 

@@ -56,7 +56,9 @@ def _clean_points(points: list[dict[str, Any]]) -> list[tuple[str, int, float, f
 
 
 def metrics_ingest(*, run: Run, points: list[dict[str, Any]]) -> int:
-    """Insert points, ignoring any (run, key, step) already stored. Returns the number new."""
+    """Store points by (run, key, step). A retried batch changes nothing; a point with a
+    different value for a stored step (a resumed run re-training the steps after its checkpoint)
+    replaces it. Returns the number of points new or changed."""
     rows = _clean_points(points)
     if not rows:
         return 0
@@ -64,26 +66,39 @@ def metrics_ingest(*, run: Run, points: list[dict[str, Any]]) -> int:
         if connection.vendor == "postgresql":
             inserted = _ingest_postgres(run.id, rows)
         else:
-            before = MetricPoint.objects.filter(run=run).count()
-            MetricPoint.objects.bulk_create(
-                [MetricPoint(run_id=run.id, key=k, step=s, value=v, wall_time=t) for k, s, v, t in rows],
-                ignore_conflicts=True, batch_size=2000)
-            inserted = MetricPoint.objects.filter(run=run).count() - before
+            inserted = _ingest_portable(run, rows)
         _latest_upsert(run, rows)
     return inserted
 
 
 def _ingest_postgres(run_id: int, rows: list[tuple[str, int, float, float]]) -> int:
-    # One statement with arrays: far faster than row-by-row ORM inserts, still idempotent.
+    # One statement with arrays: far faster than row-by-row ORM inserts, still idempotent (an
+    # identical point is not touched, so it is not counted either).
     keys, steps, values, times = (list(c) for c in zip(*rows, strict=True))
     table = MetricPoint._meta.db_table
     with connection.cursor() as cur:
         cur.execute(
-            f"INSERT INTO {table} (run_id, key, step, value, wall_time) "
+            f"INSERT INTO {table} AS m (run_id, key, step, value, wall_time) "
             "SELECT %s, k, s, v, t FROM unnest(%s::text[], %s::bigint[], %s::float8[], %s::float8[]) "
-            "AS u(k, s, v, t) ON CONFLICT (run_id, key, step) DO NOTHING",
+            "AS u(k, s, v, t) ON CONFLICT (run_id, key, step) DO UPDATE "
+            "SET value = EXCLUDED.value, wall_time = EXCLUDED.wall_time "
+            "WHERE m.value IS DISTINCT FROM EXCLUDED.value",
             [run_id, keys, steps, values, times])
         return cur.rowcount
+
+
+def _ingest_portable(run: Run, rows: list[tuple[str, int, float, float]]) -> int:
+    """The same rule on other databases (SQLite for the demo), a few more queries."""
+    stored = dict(((k, s), v) for k, s, v in MetricPoint.objects.filter(
+        run=run, key__in={r[0] for r in rows}, step__in={r[1] for r in rows}).values_list(
+        "key", "step", "value"))
+    changed = {(k, s): (v, t) for k, s, v, t in rows if stored.get((k, s)) != v}
+    MetricPoint.objects.bulk_create(
+        [MetricPoint(run_id=run.id, key=k, step=s, value=v, wall_time=t)
+         for (k, s), (v, t) in changed.items()],
+        update_conflicts=True, unique_fields=["run", "key", "step"],
+        update_fields=["value", "wall_time"], batch_size=2000)
+    return len(changed)
 
 
 def _latest_upsert(run: Run, rows: list[tuple[str, int, float, float]]) -> None:
