@@ -17,23 +17,17 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.variables import Variable
 
+from orchestration.launchers import run_env, server_command, train_args
 from orchestration.trigger import flow_run_dir
-from training_core.launch import (
-    embedded_server_command,
-    free_port,
-    server_process,
-    sglang_server_command,
-)
+from training_core.launch import free_port, server_process
 from training_core.models.loading import run_model_dir
-from training_core.processes import ManagedProcess, process_env
+from training_core.processes import ManagedProcess
 from training_core.remote_run import prepare_remote_run
-
-NODE_ADDRESS_ENV = "OOLONG_NODE_ADDRESS"
+from training_core.weight_sync import NODE_ADDRESS_ENV
 
 
 def node_address() -> str:
@@ -57,12 +51,6 @@ def wait_variable(name: str, timeout_s: float) -> str:
             raise TimeoutError(f"nothing announced at Prefect variable {name!r} in {timeout_s:.0f}s")
         time.sleep(0.5)
     return str(value)
-
-
-def _env(run_dir: Path, run_id: int) -> dict[str, str]:
-    path = os.pathsep.join(p for p in [str(run_dir), os.environ.get("PYTHONPATH", "")] if p)
-    return process_env({"PYTHONPATH": path, "OOLONG_RUN_ID": str(run_id),
-                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
 
 
 def _run_until_exit(proc: ManagedProcess, what: str) -> None:
@@ -92,15 +80,11 @@ def rollout_server(run_id: int, tracker_url: str, ingest_token: str, index: int,
     spec, _ = prepare_remote_run(tracker_url, ingest_token, run_dir)
     host, port = node_address(), free_port()
     url = f"http://{host}:{port}"
-    model_dir = str(run_model_dir(spec, run_dir))
-    if spec.rollout.backend == "sglang":
-        cmd = sglang_server_command(model_dir, port, host=host)
-    else:
-        cmd = embedded_server_command(model_dir, port, host=host, threads=spec.rollout.server_threads,
-                                      max_batch_size=spec.rollout.max_batch_size,
-                                      seed=spec.seed + index, parent_pid=os.getpid())
+    cmd = server_command(spec, str(run_model_dir(spec, run_dir)), port, index, host=host,
+                         parent_pid=os.getpid())
     proc = server_process(f"rollout server {index}", cmd, url,
-                          run_dir / "logs" / f"rollout-server-{index}.log", _env(run_dir, run_id)).start()
+                          run_dir / "logs" / f"rollout-server-{index}.log",
+                          run_env(run_dir, run_id)).start()
     proc.wait_healthy(health_timeout_s)
     Variable.set(server_variable(run_id, index), url, overwrite=True)
     logger.info("rollout server %d serving at %s", index, url)
@@ -121,13 +105,10 @@ def trainer_node(run_id: int, tracker_url: str, ingest_token: str, node_rank: in
                                                 rendezvous_timeout_s).rpartition(":")
         master_port = int(port)
     # A resume on fresh nodes finds its checkpoint in the durable store (OOLONG_CHECKPOINT_STORE).
-    source = ["--resume", str(run_dir)] if resume else ["--config", str(spec_path)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
            "--node_rank", str(node_rank), "--nproc_per_node", "1", "--master_addr",
            master_address, "--master_port", str(master_port), "--module", "training_core.cli",
-           "train", "--no-progress", *source,
-           f"rollout.server_urls=[{','.join(server_urls)}]", "weight_sync=distributed",
-           "metrics.report_status=false"]
+           *train_args(spec_path, server_urls, run_dir, resume=resume), "weight_sync=distributed"]
     proc = ManagedProcess(f"trainer node {node_rank}", cmd, run_dir / "logs" / "trainer.log",
-                          env=_env(run_dir, run_id)).start()
+                          env=run_env(run_dir, run_id)).start()
     _run_until_exit(proc, f"trainer node {node_rank}")

@@ -24,7 +24,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from orchestration.deployments import deploy_node_flows
-from orchestration.launchers import trainer_command
+from orchestration.launchers import run_env, server_command, trainer_command
 from orchestration.placed import PlacedRun, node_pool, plan
 from orchestration.providers import NodeInventory, get_provider
 from orchestration.providers.base import node_queue
@@ -34,14 +34,9 @@ from orchestration.trigger import flow_run_dir
 from training_core.checkpoint import pushed_weights
 from training_core.config import RunSpec
 from training_core.engines.rollout_client import RolloutClient
-from training_core.launch import (
-    embedded_server_command,
-    free_port,
-    server_process,
-    sglang_server_command,
-)
+from training_core.launch import free_port, server_process
 from training_core.models.loading import run_model_dir
-from training_core.processes import Fleet, ManagedProcess, process_env, stop_all
+from training_core.processes import Fleet, ManagedProcess, stop_all
 
 
 @dataclass
@@ -71,24 +66,9 @@ def warm_start(spec: RunSpec, spec_path: Path, run_dir: Path) -> Path | None:
     log = run_dir / "logs" / "warm-start.log"
     subprocess.run([sys.executable, "-m", "training_core.cli", "sft", "--no-progress", "--config",
                     str(spec_path), "--out", str(out), "--steps", "1000000", "--seconds",
-                    str(spec.model.warm_start_seconds)], check=True, env=_env(run_dir),
+                    str(spec.model.warm_start_seconds)], check=True, env=run_env(run_dir),
                    stdout=log.open("w"), stderr=subprocess.STDOUT)
     return out
-
-
-def _env(run_dir: Path) -> dict[str, str]:
-    # User reward modules are written into the run directory: make them importable.
-    path = os.pathsep.join(p for p in [str(run_dir), os.environ.get("PYTHONPATH", "")] if p)
-    return process_env({"PYTHONPATH": path,
-                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-
-
-def _server_command(spec: RunSpec, model_dir: str, port: int, index: int) -> list[str]:
-    if spec.rollout.backend == "sglang":
-        return sglang_server_command(model_dir, port)
-    return embedded_server_command(model_dir, port, threads=spec.rollout.server_threads,
-                                   max_batch_size=spec.rollout.max_batch_size,
-                                   seed=spec.seed + index, parent_pid=os.getpid())
 
 
 @task(name="start-rollout-fleet", cache_policy=NO_CACHE)  # side effects: never cached
@@ -101,8 +81,8 @@ def start_rollout_fleet(spec: RunSpec, run_dir: Path, inventory: NodeInventory) 
         url = f"http://{host}:{port}"
         fleet.urls.append(url)
         fleet.servers.append(server_process(
-            f"rollout server {i}", _server_command(spec, model_dir, port, i), url,
-            run_dir / "logs" / f"rollout-server-{i}.log", _env(run_dir)).start())
+            f"rollout server {i}", server_command(spec, model_dir, port, i, parent_pid=os.getpid()), url,
+            run_dir / "logs" / f"rollout-server-{i}.log", run_env(run_dir)).start())
     return fleet
 
 
@@ -116,7 +96,7 @@ def start_trainer(spec_path: Path, fleet: Fleet, inventory: NodeInventory,
                   run_dir: Path, resume: bool = False) -> ManagedProcess:
     cmd = trainer_command(spec_path, fleet.urls, inventory, run_dir, resume=resume)
     (run_dir / "trainer.cmd").write_text(" ".join(cmd))
-    return ManagedProcess("trainer", cmd, run_dir / "logs" / "trainer.log", env=_env(run_dir)).start()
+    return ManagedProcess("trainer", cmd, run_dir / "logs" / "trainer.log", env=run_env(run_dir)).start()
 
 
 @task(name="tear-down", cache_policy=NO_CACHE)  # side effects: never cached
