@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 STEP_TAG = re.compile(r"^step(\d+)$")
+# Written last into a checkpoint folder: one without it was interrupted and is ignored.
+COMPLETE = "COMPLETE"
 
 
 def pushed_weights(run_dir: str | Path) -> list[tuple[int, Path]]:
@@ -22,15 +25,23 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def complete_tags(names: Iterable[str], is_complete: Callable[[str], bool]) -> list[tuple[int, str]]:
+    """``(step, tag)`` of the ``step<N>`` entries whose ``COMPLETE`` marker exists, oldest first
+    (the rule for a run directory and for the durable store alike)."""
+    found = []
+    for name in names:
+        m = STEP_TAG.match(name)
+        if m and is_complete(name):
+            found.append((int(m.group(1)), name))
+    return sorted(found)
+
+
 def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, str]]:
     root = checkpoint_dir(run_dir)
-    found = []
-    if root.exists():
-        for d in root.iterdir():
-            m = STEP_TAG.match(d.name)
-            if m and (d / "COMPLETE").exists():
-                found.append((int(m.group(1)), d.name))
-    return sorted(found)
+    if not root.exists():
+        return []
+    return complete_tags((d.name for d in root.iterdir()),
+                         lambda tag: (root / tag / COMPLETE).exists())
 
 
 def latest_checkpoint(run_dir: str | Path) -> tuple[int, str] | None:

@@ -17,10 +17,9 @@ import os
 import shutil
 from pathlib import Path
 
-from training_core.checkpoint import STEP_TAG
+from training_core.checkpoint import COMPLETE, complete_tags
 
 STORE_ENV = "OOLONG_CHECKPOINT_STORE"
-MARKER = "COMPLETE"
 
 
 class CheckpointStore:
@@ -41,24 +40,19 @@ class CheckpointStore:
 
     def upload(self, local: Path, tag: str) -> None:
         """This rank's files of one checkpoint (the marker is rank 0's, after everyone's)."""
-        for path in sorted(p for p in local.rglob("*") if p.is_file() and p.name != MARKER):
+        for path in sorted(p for p in local.rglob("*") if p.is_file() and p.name != COMPLETE):
             remote = f"{self._tag(tag)}/{path.relative_to(local).as_posix()}"
             self.fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
             self.fs.put_file(str(path), remote)
 
     def mark_complete(self, tag: str) -> None:
-        self.fs.pipe_file(f"{self._tag(tag)}/{MARKER}", b"ok")
+        self.fs.pipe_file(f"{self._tag(tag)}/{COMPLETE}", b"ok")
 
     def complete(self) -> list[tuple[int, str]]:
         if not self.fs.exists(self.root):
             return []
-        found = []
-        for entry in self.fs.ls(self.root, detail=False):
-            name = entry.rstrip("/").rsplit("/", 1)[-1]
-            m = STEP_TAG.match(name)
-            if m and self.fs.exists(f"{self._tag(name)}/{MARKER}"):
-                found.append((int(m.group(1)), name))
-        return sorted(found)
+        names = (entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(self.root, detail=False))
+        return complete_tags(names, lambda tag: self.fs.exists(f"{self._tag(tag)}/{COMPLETE}"))
 
     def latest(self) -> tuple[int, str] | None:
         found = self.complete()

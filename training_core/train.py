@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import random
 import statistics
 import time
@@ -43,7 +42,12 @@ from training_core.checkpoint import (
 from training_core.checkpoint_store import CheckpointStore
 from training_core.config import RunSpec, dump_spec
 from training_core.data.datasets import PromptLoader, load_data
-from training_core.engines.deepspeed_trainer import DeepSpeedTrainer, barrier, rank_and_world
+from training_core.engines.deepspeed_trainer import (
+    DeepSpeedTrainer,
+    barrier,
+    local_rank,
+    rank_and_world,
+)
 from training_core.engines.rollout_client import RolloutClient
 from training_core.evaluation import CORRECT, evaluate
 from training_core.launch import start_embedded_fleet
@@ -168,10 +172,6 @@ class Resumed:
     first_step: int
     state: dict[str, Any]  # the checkpoint's client state (loader position, pending prompts, ...)
     tag: str
-
-
-def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def restore(trainer: DeepSpeedTrainer, run_dir: Path, sync: WeightSync) -> Resumed | None:

@@ -111,7 +111,6 @@ class DistributedSync:
         self.flatten = flatten
         self.timeout_s = timeout_s
         self.group: torch.distributed.ProcessGroup | None = None
-        self.world_size = 0
         self._buckets: list[_Bucket] = []
         self._flat: list[torch.Tensor] = []
         self._version: int | None = None
@@ -159,7 +158,7 @@ class DistributedSync:
             master_address=address, master_port=port, rank_offsets=offsets, world_size=world,
             group_name=self.group_name, backend=backend))
         await _both(joins, own, "init_weights_update_group")
-        self.group, self.world_size = own.result(), world
+        self.group = own.result()
 
     async def push(self, client: RolloutClient, version: int) -> None:
         if self.group is None:

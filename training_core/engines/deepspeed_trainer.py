@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from training_core.api import TrainBatch
+from training_core.checkpoint import COMPLETE
 from training_core.models.loading import load_model
 
 
@@ -93,6 +94,11 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def local_rank() -> int:
+    """This process's rank on its node (the launchers set ``LOCAL_RANK``; 0 alone)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def barrier() -> None:
     """Wait for every trainer rank (nothing to wait for with one process)."""
     if rank_and_world()[1] > 1:
@@ -136,7 +142,7 @@ class DeepSpeedTrainer:
         import deepspeed
 
         init_distributed(dist_backend)
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
+        self.device = torch.device("cuda", local_rank()) \
             if torch.cuda.is_available() else torch.device("cpu")
         self.temperature = temperature
         self.micro_batch_tokens = micro_batch_tokens
@@ -293,8 +299,8 @@ class DeepSpeedTrainer:
         barrier()
         # The marker is written last: a checkpoint without it was interrupted and is ignored.
         # One per node (its first local rank): each node's run directory holds its own shards.
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            (Path(ckpt_dir) / tag / "COMPLETE").write_text("ok")
+        if local_rank() == 0:
+            (Path(ckpt_dir) / tag / COMPLETE).write_text("ok")
         return Path(ckpt_dir) / tag
 
     def load_checkpoint(self, ckpt_dir: str | Path, tag: str) -> dict[str, Any]:

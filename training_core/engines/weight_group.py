@@ -13,6 +13,7 @@ The backend is gloo for CPU tensors and nccl for CUDA ones (one code path, chose
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 import torch
@@ -62,10 +63,7 @@ def broadcast_from_trainer(group: dist.ProcessGroup, tensors: list[torch.Tensor]
 # per bucket instead of one per tensor.
 
 def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
-    numel = 1
-    for d in shape:
-        numel *= int(d)
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return math.prod(int(d) for d in shape) * dtype.itemsize
 
 
 def flatten(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
