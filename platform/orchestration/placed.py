@@ -125,15 +125,14 @@ class PlacedRun:
                 f"trainer/{self.pool}", node, f"trainer node {rank}", node_rank=rank, nnodes=nnodes,
                 server_urls=urls, resume=resume))
 
-    def state(self, process: PlacedProcess) -> str:
+    def _state(self, process: PlacedProcess) -> tuple[str, str]:
+        """The flow run's state type and its message, from one read."""
         with get_client(sync_client=True) as client:
             run = client.read_flow_run(process.flow_run_id)
-        return run.state.type.value if run.state else "PENDING"
+        return (run.state.type.value, run.state.message or "") if run.state else ("PENDING", "")
 
-    def _message(self, process: PlacedProcess) -> str:
-        with get_client(sync_client=True) as client:
-            run = client.read_flow_run(process.flow_run_id)
-        return (run.state.message or "") if run.state else ""
+    def state(self, process: PlacedProcess) -> str:
+        return self._state(process)[0]
 
     def supervise(self, tracker: Tracker, *, poll_s: float = 2.0) -> Outcome:
         """Until the trainers finish, one of the run's processes ends early, a server stops
@@ -145,17 +144,17 @@ class PlacedRun:
         while True:
             now = time.monotonic()
             for i, url in enumerate(self.urls):
-                if _answers(url):
+                if _model_info(url) is not None:
                     last_seen[i] = now
                 elif now - last_seen[i] > timeout:
                     return Outcome("failed", f"{self.servers[i].what} ({url}) has not answered "
                                              f"for {timeout:.0f}s: the node is gone or unreachable")
-            states = {p: self.state(p) for p in self.trainers + self.servers}
-            if all(states[p] == "COMPLETED" for p in self.trainers):
+            states = {p: self._state(p) for p in self.trainers + self.servers}
+            if all(states[p][0] == "COMPLETED" for p in self.trainers):
                 return Outcome("succeeded")
-            for p, state in states.items():
+            for p, (state, message) in states.items():
                 if state in TERMINAL and not (p in self.trainers and state == "COMPLETED"):
-                    return Outcome("failed", f"{p.what} ended: {state} {self._message(p)}".strip())
+                    return Outcome("failed", f"{p.what} ended: {state} {message}".strip())
             try:
                 info = tracker.run_info()
             except Exception:  # noqa: BLE001 - the web app may be restarting; ask again
@@ -173,13 +172,7 @@ class PlacedRun:
 
     def server_versions(self) -> list[str]:
         """Each server's ``weight_version`` (``/model_info``); "?" where it does not answer."""
-        out = []
-        for url in self.urls:
-            try:
-                out.append(str(httpx.get(url + "/model_info", timeout=5.0).json()["weight_version"]))
-            except (httpx.HTTPError, ValueError, KeyError):
-                out.append("?")
-        return out
+        return [str((_model_info(url) or {}).get("weight_version", "?")) for url in self.urls]
 
     def stop(self, timeout_s: float = 30.0) -> list[str]:
         """Cancel every placed flow run (each node's worker stops its process); returns what
@@ -197,10 +190,16 @@ class PlacedRun:
         return [p.what for p in pending]
 
 
-def _answers(url: str) -> bool:
-    # /model_info, not /health: SGLang's health check generates a token and fails while
-    # generation is paused for a weight push.
+def _model_info(url: str) -> dict | None:
+    """A server's ``/model_info``, None when it does not answer. Not /health: SGLang's health
+    check generates a token and fails while generation is paused for a weight push."""
     try:
-        return httpx.get(url + "/model_info", timeout=5.0).status_code == 200
+        resp = httpx.get(url + "/model_info", timeout=5.0)
     except httpx.HTTPError:
-        return False
+        return None
+    if resp.status_code != 200:
+        return None
+    try:
+        return resp.json()
+    except ValueError:  # it answers, without a version to report
+        return {}
