@@ -1,7 +1,7 @@
 """`make demo`: a real asynchronous RL run on this CPU, visible live in the dashboard.
 
 Embedded defaults only (no PostgreSQL, Redis or Prefect server needed):
-1. the web app on SQLite (migrated, a `demo` user with password `demo`),
+1. the web app on SQLite (migrated, a `demo` user with password `oolong-demo`),
 2. through the REST API: the built-in arithmetic dataset, the arithmetic reward and a run with
    configs/demo.yaml as its spec,
 3. a Celery worker (local SQLite broker) submits the run to the `training-run` Prefect flow
@@ -67,7 +67,7 @@ def main() -> int:
 
     print("1/4 web app: migrating SQLite and creating the demo user", flush=True)
     sh("manage.py", "migrate", "--verbosity", "0", env=env)
-    token, project_id = sh("manage.py", "oolong_user", "demo", "demo", env=env, capture_output=True,
+    token, project_id = sh("manage.py", "oolong_user", "demo", "oolong-demo", env=env, capture_output=True,
                            text=True).stdout.split()
     web = subprocess.Popen([sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}", "--noreload"],
                            cwd=ROOT, env=env, stdout=(data_dir / "web.log").open("w"),
@@ -102,7 +102,7 @@ def main() -> int:
             return 2
         run = run.json()
         url = f"{base}/runs/{run['id']}/"
-        print(f"\n    Dashboard: {url}   (log in as demo / demo)\n", flush=True)
+        print(f"\n    Dashboard: {url}   (log in as demo / oolong-demo)\n", flush=True)
 
         print("3/4 Celery -> Prefect flow: warm start, rollout server, DeepSpeed trainer", flush=True)
         final = watch_run(api, run["id"])
@@ -112,7 +112,7 @@ def main() -> int:
         if final["status"] != "succeeded":
             print(f"logs: {ROOT / 'runs' / 'flows' / ('run-' + str(run['id'])) / 'logs'}", file=sys.stderr)
             return 1
-        print(f"\nDone. Dashboard: {url}  (demo / demo)")
+        print(f"\nDone. Dashboard: {url}  (demo / oolong-demo)")
         if not args.exit and sys.stdin.isatty():
             print("The web app keeps running; Ctrl-C to stop.")
             web.wait()

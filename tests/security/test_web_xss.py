@@ -12,7 +12,7 @@ from tests.webapp.conftest import (  # noqa: F401 - fixtures
     reward_version,
     run,
 )
-from tests.webapp.test_browser import CHROMIUM, _login, page  # noqa: F401 - the page fixture
+from tests.webapp.test_browser import CHROMIUM, _login, browser_page, page  # noqa: F401 - the page fixture
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -37,3 +37,47 @@ def test_event_kind_and_message_render_as_text(page, live_server, run):  # noqa:
     assert page.locator("#events img, #events script, #events i").count() == 0
     text = page.locator("#events").inner_text()
     assert PAYLOAD in text and "<i onclick=x>status</i>" in text
+
+
+@pytest.fixture
+def strict_page():
+    yield from browser_page(bypass_csp=False)
+
+
+def test_pages_run_under_the_content_security_policy(strict_page, live_server, run):
+    """Every page is sent with a policy that allows only our own scripts; the run page's charts
+    still draw under it (no inline script or eval of ours is blocked), and a script that an
+    attacker gets into the DOM does not run."""
+    from webapp.tracking.services import metrics_ingest
+
+    metrics_ingest(run=run, points=[{"key": "reward/mean", "step": s, "value": s / 10}
+                                    for s in range(5)])
+    violations: list[str] = []
+    strict_page.on("console", lambda m: violations.append(m.text)
+                   if "Content Security Policy" in m.text else None)
+    base = live_server.url
+    _login(strict_page, base)
+    response = strict_page.goto(f"{base}/runs/{run.id}/")
+    policy = response.headers["content-security-policy"]
+    assert "script-src 'self'" in policy and "unsafe-eval" not in policy
+    assert "frame-ancestors 'none'" in policy
+    strict_page.locator("#charts .js-plotly-plot").first.wait_for(timeout=20_000)
+    strict_page.evaluate("""() => {
+        const s = document.createElement("script");
+        s.textContent = "window.__csp = 1";
+        document.body.append(s);
+        const img = document.createElement("img");
+        img.setAttribute("onerror", "window.__csp = 2");
+        img.src = "x";
+        document.body.append(img);
+    }""")
+    strict_page.wait_for_timeout(300)
+    assert strict_page.evaluate("window.__csp") is None
+    assert any("inline" in v for v in violations)  # the browser refused the injected script
+    ours = [v for v in violations if "__csp" not in v and "inline" not in v]
+    assert not ours, ours
+    for path in ("/", "/datasets/", "/rewards/", "/runs/new/", "/compare/", "/api/docs/"):
+        before = len(violations)
+        strict_page.goto(base + path)
+        strict_page.wait_for_load_state("networkidle")
+        assert len(violations) == before, (path, violations[before:])

@@ -23,8 +23,10 @@ pytestmark = [
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
 
 
-@pytest.fixture
-def page():
+def browser_page(*, bypass_csp: bool):
+    """A Chromium page. Playwright's ``wait_for_function`` evaluates its predicate with ``eval``,
+    which the app's Content-Security-Policy forbids: tests that poll that way bypass the policy,
+    and tests/security/test_web_xss.py checks the pages under it."""
     from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(exist_ok=True)
@@ -32,9 +34,14 @@ def page():
         browser = p.chromium.launch(executable_path=CHROMIUM, args=[
             "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
             "--disable-background-networking", "--disable-component-update", "--disable-sync"])
-        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+        pg = browser.new_page(viewport={"width": 1400, "height": 1000}, bypass_csp=bypass_csp)
         yield pg
         browser.close()
+
+
+@pytest.fixture
+def page():
+    yield from browser_page(bypass_csp=True)
 
 
 def _login(page, base: str) -> None:

@@ -1,9 +1,12 @@
-from rest_framework import serializers
+from drf_spectacular.utils import extend_schema
+from rest_framework import exceptions, serializers
+from rest_framework.authtoken.views import ObtainAuthToken
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from webapp.accounts.selectors import project_list
 from webapp.accounts.services import project_create
+from webapp.core.throttle import login_blocked, login_failed, retry_after_s
 
 
 class ProjectOutput(serializers.Serializer):
@@ -28,3 +31,23 @@ class ProjectCreateApi(APIView):
         data.is_valid(raise_exception=True)
         project = project_create(user=request.user, **data.validated_data)
         return Response(ProjectOutput(project).data, status=201)
+
+
+class TokenOutput(serializers.Serializer):
+    token = serializers.CharField()
+
+
+class TokenObtainApi(ObtainAuthToken):
+    """Trade a username and password for the user's API token."""
+
+    @extend_schema(request=ObtainAuthToken.serializer_class, responses={200: TokenOutput},
+                   auth=[], operation_id="auth_token_create")
+    def post(self, request, *args, **kwargs):
+        if login_blocked(request):
+            raise exceptions.Throttled(wait=retry_after_s(),
+                                       detail="too many failed logins from this address")
+        try:
+            return super().post(request, *args, **kwargs)
+        except exceptions.ValidationError:
+            login_failed(request)
+            raise

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 from django.contrib.auth import get_user_model
+from django.contrib.auth.password_validation import validate_password
+from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils.text import slugify
 from rest_framework.authtoken.models import Token
@@ -14,6 +16,10 @@ def user_create(*, username: str, password: str, email: str = ""):
     User = get_user_model()
     if User.objects.filter(username=username).exists():
         raise ApplicationError("username is taken", field="username")
+    try:
+        validate_password(password, User(username=username, email=email))
+    except ValidationError as exc:
+        raise ApplicationError(" ".join(exc.messages), field="password") from None
     user = User.objects.create_user(username=username, password=password, email=email)
     Token.objects.create(user=user)
     return user

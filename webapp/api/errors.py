@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.exceptions import PermissionDenied
+from django.conf import settings
+from django.core.exceptions import PermissionDenied, RequestDataTooBig, SuspiciousOperation
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404
 from rest_framework import exceptions, status
@@ -40,6 +41,13 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
         exc = exceptions.NotFound(str(exc) or "not found")
     if isinstance(exc, PermissionDenied):
         exc = exceptions.PermissionDenied()
+    if isinstance(exc, RequestDataTooBig):
+        return Response({"message": f"the request body is over the limit of "
+                                    f"{settings.DATA_UPLOAD_MAX_MEMORY_SIZE / 1e6:.1f} MB",
+                         "errors": [{"field": None, "message": "request body too large"}]},
+                        status=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE)
+    if isinstance(exc, SuspiciousOperation):  # too many fields, bad multipart, ...: the client's
+        exc = exceptions.ParseError(str(exc) or "malformed request")
     response = drf_exception_handler(exc, context)
     if response is None:
         return None

@@ -1,6 +1,5 @@
 from django.urls import path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
-from rest_framework.authtoken.views import obtain_auth_token
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
 from webapp.accounts import apis as accounts
 from webapp.api.views import combine
@@ -11,8 +10,8 @@ from webapp.tracking import apis as tracking
 
 urlpatterns = [
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
-    path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
-    path("auth/token/", obtain_auth_token, name="api-token"),
+    path("docs/", SpectacularSwaggerSplitView.as_view(url_name="schema"), name="docs"),
+    path("auth/token/", accounts.TokenObtainApi.as_view(), name="api-token"),
     path("projects/", combine("ProjectsApi", accounts.ProjectCreateApi, accounts.ProjectListApi).as_view()),
     path("datasets/", combine("DatasetsApi", datasets.DatasetUploadApi, datasets.DatasetListApi).as_view()),
     path("datasets/builtin/", datasets.DatasetBuiltinCreateApi.as_view()),

@@ -14,7 +14,7 @@ from typing import Any
 
 from celery import Celery
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.config.settings.local")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.config.settings.production")
 
 app = Celery("oolong")
 app.config_from_object("django.conf:settings", namespace="CELERY")

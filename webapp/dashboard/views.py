@@ -14,6 +14,7 @@ from django.views.decorators.http import require_POST
 
 from webapp.accounts.selectors import project_get_for_user, project_list
 from webapp.core.errors import ApplicationError
+from webapp.core.uploads import upload_check
 from webapp.dashboard.forms import (
     DatasetUploadForm,
     RewardCreateForm,
@@ -81,9 +82,11 @@ def run_list_view(request: HttpRequest) -> HttpResponse:
 def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     run = run_get(user=request.user, run_id=run_id)
     return render(request, "dashboard/run_detail.html", {
-        "run": run, "charts": CHARTS, "charts_json": json.dumps(CHARTS),
-        "latest": sorted(latest_metrics(run=run).items()), "events": run_event_recent(run=run),
-        "live": run.status not in Run.TERMINAL, "steps": trajectory_steps(run=run),
+        "run": run, "latest": sorted(latest_metrics(run=run).items()),
+        "events": run_event_recent(run=run), "live": run.status not in Run.TERMINAL,
+        "page_config": {"page": "run", "run_id": run.id, "charts": CHARTS,
+                        "live": run.status not in Run.TERMINAL},
+        "steps": trajectory_steps(run=run),
         "checkpoints": checkpoint_list(run=run),
         "spec_json": json.dumps(run.spec, indent=2)})
 
@@ -123,8 +126,7 @@ def run_compare(request: HttpRequest) -> HttpResponse:
     runs = [run_get(user=request.user, run_id=i) for i in ids]
     return render(request, "dashboard/compare.html", {"errors": errors,
         "runs": runs, "diff": run_config_diff(runs=runs) if len(runs) >= 2 else [],
-        "charts": CHARTS[:6], "charts_json": json.dumps(CHARTS[:6]),
-        "run_ids_json": json.dumps([r.id for r in runs]),
+        "page_config": {"page": "compare", "run_ids": [r.id for r in runs], "charts": CHARTS[:6]},
         "all_runs": run_list(user=request.user)[:100]})
 
 
@@ -154,12 +156,23 @@ def run_new(request: HttpRequest) -> HttpResponse:
     return render(request, "dashboard/run_new.html", ctx)
 
 
+def _upload_refused(request: HttpRequest, template: str, ctx: dict) -> HttpResponse | None:
+    """The form page again with the 413's message when the upload went over the cap."""
+    try:
+        upload_check(request)
+    except ApplicationError as exc:
+        return render(request, template, {**ctx, "errors": exc.errors}, status=exc.status_code)
+    return None
+
+
 @login_required
 def dataset_list_view(request: HttpRequest) -> HttpResponse:
     ctx = {"datasets": dataset_list(user=request.user),
            "projects": project_list(user=request.user), "errors": []}
     if request.method == "POST":
         form = DatasetUploadForm(request.POST, request.FILES)
+        if (refused := _upload_refused(request, "dashboard/dataset_list.html", ctx)):
+            return refused
         if not form.is_valid():
             ctx["errors"] = form_errors(form)
             return render(request, "dashboard/dataset_list.html", ctx)
@@ -199,6 +212,8 @@ def reward_list_view(request: HttpRequest) -> HttpResponse:
            "source": request.POST.get("source") or REWARD_TEMPLATE}
     if request.method == "POST":
         form = RewardCreateForm(request.POST, request.FILES)
+        if (refused := _upload_refused(request, "dashboard/reward_list.html", ctx)):
+            return refused
         if not form.is_valid():
             ctx["errors"] = form_errors(form)
             return render(request, "dashboard/reward_list.html", ctx)

@@ -5,6 +5,7 @@ from rest_framework.views import APIView
 
 from webapp.accounts.selectors import project_get_for_user
 from webapp.core.params import int_param
+from webapp.core.uploads import upload_check
 from webapp.datasets.builtins import BUILTINS
 from webapp.datasets.models import Dataset
 from webapp.datasets.selectors import dataset_get, dataset_list, dataset_version_get
@@ -56,6 +57,8 @@ class DatasetUploadApi(APIView):
         description = serializers.CharField(required=False, allow_blank=True, default="")
 
     def post(self, request):
+        request.data  # noqa: B018  (parse first: the size cap is enforced while parsing)
+        upload_check(request)
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         v = data.validated_data

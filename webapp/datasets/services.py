@@ -11,7 +11,12 @@ from webapp.accounts.models import Project
 from webapp.core.errors import ApplicationError
 from webapp.datasets.builtins import BUILTINS
 from webapp.datasets.models import Dataset, DatasetVersion
-from webapp.datasets.validation import dataset_stats, detect_format, validate_upload
+from webapp.datasets.validation import (
+    ParseLimits,
+    dataset_stats,
+    detect_format,
+    validate_upload_bounded,
+)
 
 
 def _store_rows(rows: list[dict], checksum: str) -> str:
@@ -87,7 +92,10 @@ def dataset_upload(*, project: Project, user, name: str, task: str, filename: st
     if fmt is None:
         raise ApplicationError("cannot tell the format from the file name; name it .jsonl, "
                                ".parquet or .csv, or set file_format", field="file_format")
-    result = validate_upload(data, fmt, task)
+    result = validate_upload_bounded(data, fmt, task, ParseLimits(
+        max_rows=settings.DATASET_MAX_ROWS,
+        max_decompressed_bytes=settings.DATASET_MAX_DECOMPRESSED_BYTES,
+        memory_bytes=settings.DATASET_PARSE_MEMORY_BYTES))
     if result.errors:
         more = " (first 50 shown)" if result.truncated else ""
         raise ApplicationError(f"{len(result.errors)} problem(s) in {filename}{more}; nothing was stored",

@@ -3,6 +3,11 @@
 Returns rows or a list of row-level errors ({line, field, message}); never stores anything.
 Line numbers are 1-based lines of the file (JSONL, CSV: the header is line 1) or row numbers
 (Parquet).
+
+An upload is parsed in a child process (:func:`validate_upload_bounded`) under an address-space
+limit and a deadline: a file that expands beyond what its size suggests (a Parquet decompression
+or dictionary bomb, JSON that inflates into millions of objects) costs that child, never the web
+process. Row count and decompressed size have limits of their own with clear messages.
 """
 
 from __future__ import annotations
@@ -10,8 +15,13 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import re
-from dataclasses import dataclass, field
+import resource
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MAX_ERRORS = 50
@@ -21,6 +31,15 @@ NUMBER = re.compile(r"^-?\d[\d,]*(\.\d+)?$")
 TASK_FIELDS = {"qa": ("question", "answer"), "gsm8k": ("question", "answer"),
                "arithmetic": ("question", "answer")}
 FORMATS = ("jsonl", "parquet", "csv")
+CSV_EXTRA = "\0extra"  # where csv.DictReader puts fields beyond the header
+
+
+@dataclass(frozen=True)
+class ParseLimits:
+    max_rows: int = 1_000_000
+    max_decompressed_bytes: int = 512 * 1024 * 1024  # Parquet: data pages once decompressed
+    memory_bytes: int = 1024 * 1024 * 1024  # the parsing child's address space
+    timeout_s: float = 120.0
 
 
 @dataclass
@@ -44,7 +63,62 @@ def detect_format(filename: str) -> str | None:
     return None
 
 
-def _parse(data: bytes, fmt: str, result: ValidationResult) -> list[tuple[int, Any]]:
+def _too_many_rows(count: int, limits: ParseLimits, result: ValidationResult) -> bool:
+    if count > limits.max_rows:
+        result.error(None, "file", f"the file has more than {limits.max_rows:,} rows "
+                                   "(OOLONG_DATASET_MAX_ROWS); split it or raise the limit")
+        return True
+    return False
+
+
+def _parquet_rows(data: bytes, limits: ParseLimits, result: ValidationResult) -> list[tuple[int, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(io.BytesIO(data))
+    except (pa.ArrowException, OSError) as exc:
+        result.error(None, None, f"not a readable Parquet file: {exc}")
+        return []
+    meta = pf.metadata
+    if _too_many_rows(meta.num_rows, limits, result):
+        return []
+    # The footer states every column chunk's decompressed size: refuse a bomb before inflating it.
+    expanded = sum(meta.row_group(g).column(c).total_uncompressed_size
+                   for g in range(meta.num_row_groups) for c in range(meta.num_columns))
+    if expanded > limits.max_decompressed_bytes:
+        result.error(None, "file", f"the Parquet data expands to {expanded / 1e6:,.0f} MB; the "
+                                   f"limit is {limits.max_decompressed_bytes / 1e6:,.0f} MB")
+        return []
+    try:
+        table = pf.read()
+    except (pa.ArrowException, OSError) as exc:
+        result.error(None, None, f"not a readable Parquet file: {exc}")
+        return []
+    rows = []
+    for i, row in enumerate(table.to_pylist(), 1):
+        # Rows are stored as JSON: a timestamp or bytes column is a field error, not a crash.
+        try:
+            json.dumps(row)
+        except (TypeError, ValueError):
+            bad = next(k for k, v in row.items() if not _json_ok(v))
+            result.error(i, bad, f"has a value of type {type(row[bad]).__name__}, which is not "
+                                 "text, a number or a list/object of those")
+            continue
+        rows.append((i, row))
+    return rows
+
+
+def _json_ok(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _parse(data: bytes, fmt: str, result: ValidationResult,
+           limits: ParseLimits = ParseLimits()) -> list[tuple[int, Any]]:
     if fmt == "jsonl":
         try:
             text = data.decode("utf-8")
@@ -55,10 +129,14 @@ def _parse(data: bytes, fmt: str, result: ValidationResult) -> list[tuple[int, A
         for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
+            if _too_many_rows(len(out) + 1, limits, result):
+                return []
             try:
                 out.append((lineno, json.loads(line)))
             except json.JSONDecodeError as exc:
                 result.error(lineno, None, f"not valid JSON: {exc.msg} (column {exc.colno})")
+            except RecursionError:
+                result.error(lineno, None, "nested too deeply")
         return out
     if fmt == "csv":
         try:
@@ -66,18 +144,23 @@ def _parse(data: bytes, fmt: str, result: ValidationResult) -> list[tuple[int, A
         except UnicodeDecodeError as exc:
             result.error(None, None, f"file is not UTF-8 text ({exc.reason} at byte {exc.start})")
             return []
-        reader = csv.DictReader(io.StringIO(text))
-        return [(i + 2, row) for i, row in enumerate(reader)]
-    if fmt == "parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
+        # Fields beyond the header land under the key None: a row error, not a crash.
+        reader = csv.DictReader(io.StringIO(text), restkey=CSV_EXTRA)
+        out = []
         try:
-            table = pq.read_table(io.BytesIO(data))
-        except (pa.ArrowException, OSError) as exc:
-            result.error(None, None, f"not a readable Parquet file: {exc}")
-            return []
-        return list(enumerate(table.to_pylist(), 1))
+            for i, row in enumerate(reader):
+                if _too_many_rows(i + 1, limits, result):
+                    return []
+                if CSV_EXTRA in row:
+                    extra = len(row[CSV_EXTRA])
+                    result.error(i + 2, None, f"has {extra} more field(s) than the header")
+                    continue
+                out.append((i + 2, row))
+        except csv.Error as exc:
+            result.error(reader.line_num, None, f"not valid CSV: {exc}")
+        return out
+    if fmt == "parquet":
+        return _parquet_rows(data, limits, result)
     result.error(None, "file_format", f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
     return []
 
@@ -115,12 +198,15 @@ def validate_rows(parsed: list[tuple[int, Any]], task: str, result: ValidationRe
                                                               "answer": answer})
 
 
-def validate_upload(data: bytes, fmt: str, task: str) -> ValidationResult:
+def validate_upload(data: bytes, fmt: str, task: str,
+                    limits: ParseLimits = ParseLimits()) -> ValidationResult:
+    """Parse and check in this process: for trusted data. Uploads go through
+    :func:`validate_upload_bounded`."""
     result = ValidationResult()
     if task not in TASK_FIELDS:
         result.error(None, "task", f"unknown task {task!r}; use one of {', '.join(TASK_FIELDS)}")
         return result
-    parsed = _parse(data, fmt, result)
+    parsed = _parse(data, fmt, result, limits)
     if not result.errors and not parsed:
         result.error(None, "file", "the file has no rows")
     validate_rows(parsed, task, result)
@@ -139,3 +225,49 @@ def dataset_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "columns": sorted({k for r in rows for k in r}),
         "duplicate_questions": len(q) - len({r["question"] for r in rows}),
     }
+
+
+def _child_limits(memory_bytes: int) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def validate_upload_bounded(data: bytes, fmt: str, task: str,
+                            limits: ParseLimits = ParseLimits()) -> ValidationResult:
+    """:func:`validate_upload` in a child process with an address-space limit and a deadline."""
+    result = ValidationResult()
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1",
+           "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    with tempfile.TemporaryDirectory(prefix="oolong-parse-") as tmp:
+        source, out = os.path.join(tmp, "upload"), os.path.join(tmp, "result.json")
+        with open(source, "wb") as fh:
+            fh.write(data)
+        argv = [sys.executable, "-m", "webapp.datasets.validation", source, fmt, task, out,
+                json.dumps(asdict(limits))]
+        try:
+            proc = subprocess.run(argv, env=env, capture_output=True, timeout=limits.timeout_s,
+                                  preexec_fn=lambda: _child_limits(limits.memory_bytes))
+        except subprocess.TimeoutExpired:
+            result.error(None, "file", f"parsing took longer than {limits.timeout_s:.0f} s")
+            return result
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
+            if "MemoryError" in tail[0] or "bad_alloc" in tail[0] or "allocat" in tail[0].lower() \
+                    or proc.returncode < 0:
+                result.error(None, "file", "the file expands beyond "
+                                           f"{limits.memory_bytes / 2**20:,.0f} MiB when parsed "
+                                           "(a compressed or deeply repeated payload?); nothing "
+                                           "was stored")
+            else:
+                result.error(None, "file", f"the file could not be parsed: {tail[0][:200]}")
+            return result
+        with open(out) as fh:
+            return ValidationResult(**json.load(fh))
+
+
+if __name__ == "__main__":  # the bounded child: python -m webapp.datasets.validation SRC FMT TASK OUT LIMITS
+    _src, _fmt, _task, _out, _limits = sys.argv[1:6]
+    with open(_src, "rb") as _fh:
+        _result = validate_upload(_fh.read(), _fmt, _task, ParseLimits(**json.loads(_limits)))
+    with open(_out, "w") as _fh:
+        json.dump(asdict(_result), _fh)

@@ -10,7 +10,27 @@ import dj_database_url
 BASE_DIR = Path(__file__).resolve().parents[3]
 DATA_DIR = Path(os.environ.get("OOLONG_DATA_DIR", BASE_DIR / ".cache" / "webapp"))
 
-SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "dev-only-insecure-key-change-me")
+
+
+def _secret_key() -> str:
+    """DJANGO_SECRET_KEY, or (development and tests only: production requires the variable) a
+    random key made once per machine and kept in DATA_DIR, readable by its owner only."""
+    if os.environ.get("DJANGO_SECRET_KEY"):
+        return os.environ["DJANGO_SECRET_KEY"]
+    path = DATA_DIR / "secret_key"
+    if not path.exists():
+        import secrets
+
+        DATA_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(50))
+        os.replace(tmp, path)  # concurrent first starts: the last writer wins, all read one key
+    return path.read_text().strip()
+
+
+SECRET_KEY = _secret_key()
 DEBUG = os.environ.get("DJANGO_DEBUG", "0") == "1"
 ALLOWED_HOSTS = [h for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost").split(",") if h]
 
@@ -44,7 +64,23 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "webapp.core.middleware.ContentSecurityPolicyMiddleware",
 ]
+
+# Scripts only from our origin (no inline script, no eval); plotly and Swagger UI inject
+# <style> elements, so styles may be inline. Nothing may frame the dashboard.
+CONTENT_SECURITY_POLICY = {
+    "default-src": ["'self'"],
+    "script-src": ["'self'"],
+    "style-src": ["'self'", "'unsafe-inline'"],
+    "img-src": ["'self'", "data:"],
+    "font-src": ["'self'", "data:"],
+    "connect-src": ["'self'"],
+    "object-src": ["'none'"],
+    "base-uri": ["'self'"],
+    "form-action": ["'self'"],
+    "frame-ancestors": ["'none'"],
+}
 
 ROOT_URLCONF = "webapp.config.urls"
 WSGI_APPLICATION = "webapp.config.wsgi.application"
@@ -67,7 +103,9 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 30
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
-AUTH_PASSWORD_VALIDATORS = [{"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"}]
+AUTH_PASSWORD_VALIDATORS = [{"NAME": f"django.contrib.auth.password_validation.{name}"} for name in (
+    "UserAttributeSimilarityValidator", "MinimumLengthValidator", "CommonPasswordValidator",
+    "NumericPasswordValidator")]
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = True
@@ -83,14 +121,32 @@ import plotly as _plotly  # noqa: E402
 
 STATICFILES_DIRS = [("plotly", str(Path(_plotly.__file__).parent / "package_data"))]  # serve app static (plotly.js) without collectstatic in dev
 
+# Failed logins (page and API token endpoint) per client address, counted in the cache.
+LOGIN_FAILURE_LIMIT = int(os.environ.get("OOLONG_LOGIN_FAILURE_LIMIT", "10"))
+LOGIN_FAILURE_WINDOW_S = 300
+# One cache for every web process in production (the throttle counts must be shared).
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+                      "LOCATION": os.environ["DJANGO_CACHE_URL"]}
+          if os.environ.get("DJANGO_CACHE_URL") else
+          {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/accounts/login/"
 
 # Uploads: reject early and clearly instead of filling the disk.
 DATASET_MAX_UPLOAD_BYTES = int(os.environ.get("OOLONG_DATASET_MAX_UPLOAD_MB", "50")) * 1024 * 1024
+# Parsing happens in a child process with its own memory limit (webapp.datasets.validation).
+DATASET_MAX_ROWS = int(os.environ.get("OOLONG_DATASET_MAX_ROWS", "1000000"))
+DATASET_MAX_DECOMPRESSED_BYTES = int(os.environ.get("OOLONG_DATASET_MAX_DECOMPRESSED_MB", "512")) << 20
+DATASET_PARSE_MEMORY_BYTES = int(os.environ.get("OOLONG_DATASET_PARSE_MEMORY_MB", "1536")) << 20
 DATA_UPLOAD_MAX_MEMORY_SIZE = 10 * 1024 * 1024
 FILE_UPLOAD_MAX_MEMORY_SIZE = 5 * 1024 * 1024
+FILE_UPLOAD_HANDLERS = [
+    "webapp.core.uploads.CappedUploadHandler",  # first: stops a stream over the cap mid-read
+    "django.core.files.uploadhandler.MemoryFileUploadHandler",
+    "django.core.files.uploadhandler.TemporaryFileUploadHandler",
+]
 
 from webapp.config.settings.integrations.celery import *  # noqa: E402,F403
 from webapp.config.settings.integrations.drf import *  # noqa: E402,F403

@@ -116,6 +116,18 @@
         });
         Plotly.react(ensureDiv(container, "chart-" + i), t, layout(title, !t.length), {displayModeBar: false, responsive: true});
       });
+      const onlyDiff = document.getElementById("only-diff");
+      onlyDiff.addEventListener("change", e =>
+        document.getElementById("diff-table").classList.toggle("only-diff", e.target.checked));
     },
   };
+  // Pages hand their settings over as JSON data (json_script), never as inline script: the
+  // Content-Security-Policy allows scripts from our own origin only.
+  document.addEventListener("DOMContentLoaded", () => {
+    const config = document.getElementById("page-config");
+    if (!config) return;
+    const page = JSON.parse(config.textContent);
+    if (page.page === "run") window.oolong.runPage(page.run_id, page.charts, page.live);
+    if (page.page === "compare") window.oolong.comparePage(page.run_ids, page.charts);
+  });
 })();
