@@ -27,11 +27,18 @@ def user_create(*, username: str, password: str, email: str = ""):
 
 @transaction.atomic
 def project_create(*, user, name: str, slug: str | None = None) -> Project:
-    slug = slug or slugify(name)
-    if not slug:
-        raise ApplicationError("name must contain letters or digits", field="name")
-    if Project.objects.filter(slug=slug).exists():
-        raise ApplicationError(f"a project with slug {slug!r} exists", field="slug")
+    """Slugs are one namespace (like usernames). A slug derived from the name takes the first
+    free ``name``, ``name-2``, ...; only a slug asked for explicitly can be "not available"."""
+    if slug is None:
+        base = slugify(name)[:90]
+        if not base:
+            raise ApplicationError("name must contain letters or digits", field="name")
+        taken = set(Project.objects.filter(slug__startswith=base).values_list("slug", flat=True))
+        slug = next(s for s in (base, *(f"{base}-{i}" for i in range(2, len(taken) + 3)))
+                    if s not in taken)
+    elif Project.objects.filter(slug=slug).exists():
+        raise ApplicationError(f"slug {slug!r} is not available; choose another or leave it out",
+                               field="slug", status_code=409)
     project = Project.objects.create(name=name, slug=slug)
     Membership.objects.create(user=user, project=project, role=Membership.Role.OWNER)
     return project

@@ -4,11 +4,13 @@ Services raise :class:`webapp.core.errors.ApplicationError`; this handler render
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, RequestDataTooBig, SuspiciousOperation
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import DataError
 from django.http import Http404
 from rest_framework import exceptions, status
 from rest_framework.response import Response
@@ -16,12 +18,16 @@ from rest_framework.views import exception_handler as drf_exception_handler
 
 from webapp.core.errors import ApplicationError
 
+logger = logging.getLogger(__name__)
+
 
 def _flatten(detail: Any, prefix: str = "") -> list[dict[str, Any]]:
     if isinstance(detail, dict):
         out = []
         for key, value in detail.items():
-            name = key if not prefix else f"{prefix}.{key}"
+            # List items as events[0].message, the same paths the services name.
+            name = (f"{prefix}[{key}]" if isinstance(key, int) else
+                    key if not prefix else f"{prefix}.{key}")
             out += _flatten(value, "" if key == "non_field_errors" else name)
         return out
     if isinstance(detail, list):
@@ -46,6 +52,12 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
                                     f"{settings.DATA_UPLOAD_MAX_MEMORY_SIZE / 1e6:.1f} MB",
                          "errors": [{"field": None, "message": "request body too large"}]},
                         status=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE)
+    if isinstance(exc, DataError):  # a value the database cannot hold that no check caught
+        logger.warning("database refused a value: %s", exc)
+        return Response({"message": "a value is out of range or holds characters the database "
+                                    "cannot store", "errors": [{"field": None,
+                                                                "message": "invalid value"}]},
+                        status=status.HTTP_400_BAD_REQUEST)
     if isinstance(exc, SuspiciousOperation):  # too many fields, bad multipart, ...: the client's
         exc = exceptions.ParseError(str(exc) or "malformed request")
     response = drf_exception_handler(exc, context)

@@ -1,8 +1,12 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
-from django.urls import include, path
+from django.urls import include, path, register_converter
 
 from webapp.accounts.views import LoginView
+from webapp.core.params import IdConverter
+
+# <id:...>: an id that fits 64 bits (a longer number is a 404, not a database overflow).
+register_converter(IdConverter, "id")
 
 urlpatterns = [
     path("admin/", admin.site.urls),

@@ -4,12 +4,43 @@ from __future__ import annotations
 
 from rest_framework.exceptions import ValidationError
 
+MAX_ID = 2**63 - 1  # ids and steps are 64-bit in the database
+
 
 def int_param(request, name: str) -> int | None:
     raw = request.query_params.get(name)
     if raw in (None, ""):
         return None
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
-        raise ValidationError({name: f"must be an integer, got {raw!r}"}) from None
+        raise ValidationError({name: f"must be an integer, got {raw[:40]!r}"}) from None
+    if not 0 <= value <= MAX_ID:
+        raise ValidationError({name: f"must be between 0 and {MAX_ID}"})
+    return value
+
+
+def list_param(request, name: str, *, max_items: int, max_length: int = 200) -> list[str] | None:
+    """A comma-separated list (``?keys=a,b``) with a bound on its size."""
+    raw = request.query_params.get(name)
+    if not raw:
+        return None
+    items = [item for item in raw.split(",") if item]
+    if len(items) > max_items:
+        raise ValidationError({name: f"at most {max_items} items"})
+    if any(len(item) > max_length or "\x00" in item for item in items):
+        raise ValidationError({name: f"items are at most {max_length} characters"})
+    return items
+
+
+class IdConverter:
+    """``<id:run_id>`` in URLs: digits that fit a 64-bit id; longer numbers are a 404, never a
+    database overflow."""
+
+    regex = "[0-9]{1,18}"
+
+    def to_python(self, value: str) -> int:
+        return int(value)
+
+    def to_url(self, value: int) -> str:
+        return str(value)

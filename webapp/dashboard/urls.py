@@ -5,12 +5,12 @@ from webapp.dashboard import views
 urlpatterns = [
     path("", views.run_list_view, name="run-list"),
     path("runs/new/", views.run_new, name="run-new"),
-    path("runs/<int:run_id>/", views.run_detail, name="run-detail"),
-    path("runs/<int:run_id>/cancel/", views.run_cancel_view, name="run-cancel"),
-    path("runs/<int:run_id>/resume/", views.run_resume_view, name="run-resume"),
+    path("runs/<id:run_id>/", views.run_detail, name="run-detail"),
+    path("runs/<id:run_id>/cancel/", views.run_cancel_view, name="run-cancel"),
+    path("runs/<id:run_id>/resume/", views.run_resume_view, name="run-resume"),
     path("compare/", views.run_compare, name="run-compare"),
     path("datasets/", views.dataset_list_view, name="dataset-list"),
-    path("datasets/<int:dataset_id>/", views.dataset_detail, name="dataset-detail"),
+    path("datasets/<id:dataset_id>/", views.dataset_detail, name="dataset-detail"),
     path("rewards/", views.reward_list_view, name="reward-list"),
-    path("rewards/<int:reward_id>/", views.reward_detail, name="reward-detail"),
+    path("rewards/<id:reward_id>/", views.reward_detail, name="reward-detail"),
 ]

@@ -24,6 +24,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from webapp.core.json_input import json_problem
+
 MAX_ERRORS = 50
 GSM8K_FINAL = re.compile(r"####\s*-?[\d,]+(\.\d+)?\s*$")
 NUMBER = re.compile(r"^-?\d[\d,]*(\.\d+)?$")
@@ -170,6 +172,9 @@ def validate_rows(parsed: list[tuple[int, Any]], task: str, result: ValidationRe
     for line, row in parsed:
         if not isinstance(row, dict):
             result.error(line, None, "each row must be an object with named fields")
+            continue
+        if (bad := json_problem(row)) is not None:
+            result.error(line, bad[0] or None, bad[1])
             continue
         missing = [f for f in required if f not in row]
         if missing:

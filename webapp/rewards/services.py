@@ -28,6 +28,9 @@ def _check_source(source: str, entrypoint: str) -> None:
         tree = ast.parse(source)
     except SyntaxError as exc:
         raise ApplicationError(f"syntax error on line {exc.lineno}: {exc.msg}", field="source") from None
+    except (MemoryError, RecursionError, ValueError):  # nesting the parser cannot hold; NUL bytes
+        raise ApplicationError("the source is nested too deeply (or holds NUL bytes) to parse",
+                               field="source") from None
     fns = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     if entrypoint not in fns:
         raise ApplicationError(f"no top-level function {entrypoint!r} in the source "

@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from webapp.accounts.models import Project
 from webapp.core.errors import ApplicationError
+from webapp.core.json_input import json_check
 from webapp.config.celery import enqueue
 from webapp.datasets.models import DatasetVersion
 from webapp.datasets.selectors import dataset_version_prompt_template
@@ -41,7 +42,7 @@ def run_create(*, project: Project, user, name: str, dataset_version: DatasetVer
     if reward_version.status != RewardFunctionVersion.Status.VALID:
         raise ApplicationError(f"reward version is {reward_version.status}; only validated "
                                "reward functions can be used", field="reward_version")
-    spec = dict(spec or {})
+    spec = dict(json_check(spec or {}, "spec"))
     spec["name"] = name
     # The dataset and reward are fixed by the run, not by free-form spec fields.
     spec["data"] = dict(spec.get("data") or {})

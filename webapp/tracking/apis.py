@@ -7,7 +7,8 @@ from rest_framework.exceptions import PermissionDenied, ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from webapp.core.params import int_param
+from webapp.core.json_input import json_check
+from webapp.core.params import int_param, list_param
 from webapp.runs.apis import RunOutput, RunSpecOutput
 from webapp.runs.auth import IngestTokenAuthentication, RunIngestUser
 from webapp.runs.models import Run
@@ -44,18 +45,25 @@ class MetricsIngestApi(IngestApi):
         return Response({"inserted": inserted, "received": len(data.validated_data["points"])})
 
 
+class EventInput(serializers.Serializer):
+    kind = serializers.CharField(max_length=30, default="log")
+    message = serializers.CharField(allow_blank=True, default="", max_length=20_000)
+    data = serializers.DictField(required=False, default=dict)
+    dedup_key = serializers.CharField(max_length=100, required=False, allow_null=True, default=None)
+
+
 class EventsIngestApi(IngestApi):
     class InputSerializer(serializers.Serializer):
-        events = serializers.ListField(child=serializers.DictField(), max_length=1000)
+        events = serializers.ListField(child=EventInput(), max_length=1000)
 
     def post(self, request):
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         stored = 0
-        for e in data.validated_data["events"]:
-            ev = run_event_add(run=self.run, kind=str(e.get("kind", "log"))[:30],
-                               message=str(e.get("message", "")), data=e.get("data") or {},
-                               dedup_key=e.get("dedup_key"))
+        for i, e in enumerate(data.validated_data["events"]):
+            ev = run_event_add(run=self.run, kind=e["kind"], message=e["message"],
+                               data=json_check(e["data"], f"events[{i}].data"),
+                               dedup_key=e["dedup_key"])
             stored += ev is not None
         return Response({"stored": stored})
 
@@ -135,8 +143,7 @@ class RunDetailApi(APIView):
 
 
 def _keys(request, default: list[str]) -> list[str]:
-    raw = request.query_params.get("keys")
-    return [k for k in raw.split(",") if k] if raw else default
+    return list_param(request, "keys", max_items=50, max_length=100) or default
 
 
 def _buckets(request) -> int:
@@ -172,7 +179,7 @@ class RunTrajectoriesApi(APIView):
 class RunCompareApi(APIView):
     def get(self, request):
         try:
-            ids = [int(x) for x in request.query_params.get("ids", "").split(",") if x]
+            ids = [int(x) for x in list_param(request, "ids", max_items=20, max_length=18) or []]
         except ValueError:
             raise ValidationError({"ids": "comma-separated run ids"}) from None
         if len(ids) < 2:

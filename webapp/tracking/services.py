@@ -9,6 +9,7 @@ from typing import Any
 from django.db import connection, transaction
 
 from webapp.core.errors import ApplicationError
+from webapp.core.json_input import json_check
 from webapp.runs.models import Run
 from webapp.tracking.models import Checkpoint, LatestMetric, MetricPoint, TrajectorySample
 
@@ -40,8 +41,8 @@ def _clean_points(points: list[dict[str, Any]]) -> list[tuple[str, int, float, f
         except (KeyError, TypeError, ValueError):
             raise ApplicationError("each point needs key (text), step (integer), value (number)",
                                    field=f"points[{i}]") from None
-        if not key or len(key) > 100:
-            raise ApplicationError("key must be 1-100 characters", field=f"points[{i}].key")
+        if not key or len(key) > 100 or "\x00" in key:
+            raise ApplicationError("key must be 1-100 characters, no NUL", field=f"points[{i}].key")
         step = _int64(step, f"points[{i}].step")
         try:
             wall = float(p.get("time") or now)
@@ -128,11 +129,16 @@ def trajectories_ingest(*, run: Run, samples: list[dict[str, Any]]) -> int:
             index = _int64(s.get("index", i), f"samples[{i}].index")
             if not 0 <= index <= 2**31 - 1:
                 raise ApplicationError("must be between 0 and 2147483647", field=f"samples[{i}].index")
-            objs.append(TrajectorySample(
+            sample = TrajectorySample(
                 run=run, step=step, index=index, prompt=str(s["prompt"]),
                 completion=str(s["completion"]), reward=float(s["reward"]),
                 tokens=list(s.get("tokens", [])), token_versions=list(s.get("token_versions", [])),
-                info=dict(s.get("info", {}))))
+                info=dict(s.get("info", {})))
+            json_check({"prompt": sample.prompt, "completion": sample.completion,
+                        "reward": sample.reward, "tokens": sample.tokens,
+                        "token_versions": sample.token_versions, "info": sample.info},
+                       f"samples[{i}]")
+            objs.append(sample)
         except (KeyError, TypeError, ValueError):
             raise ApplicationError("each sample needs step, prompt, completion, reward",
                                    field=f"samples[{i}]") from None
