@@ -101,7 +101,7 @@ def test_bad_query_parameters_are_400s(api, run, query, field):  # noqa: F811
     (f"/api/rewards/?project={BIG}", "project"),
     ("/api/runs/compare/?ids=" + ",".join(str(i) for i in range(1, 30)), "ids"),
     ("/api/runs/compare/?ids=1,99999999999999999999", "ids")])
-def test_list_parameters_are_bounded(api, url, field):
+def test_list_parameters_are_bounded(api, url, field):  # noqa: F811
     resp = api.get(url)
     assert resp.status_code == 400 and resp.json()["errors"][0]["field"] == field
 

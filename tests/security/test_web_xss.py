@@ -44,7 +44,7 @@ def strict_page():
     yield from browser_page(bypass_csp=False)
 
 
-def test_pages_run_under_the_content_security_policy(strict_page, live_server, run):
+def test_pages_run_under_the_content_security_policy(strict_page, live_server, run):  # noqa: F811
     """Every page is sent with a policy that allows only our own scripts; the run page's charts
     still draw under it (no inline script or eval of ours is blocked), and a script that an
     attacker gets into the DOM does not run."""

@@ -1,11 +1,14 @@
 from drf_spectacular.utils import extend_schema
 from rest_framework import exceptions, serializers
 from rest_framework.authtoken.views import ObtainAuthToken
+from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from webapp.accounts.selectors import project_list
 from webapp.accounts.services import project_create
+from webapp.core.fields import BoundedText
+from webapp.core.schema import errors
 from webapp.core.throttle import login_blocked, login_failed, retry_after_s
 
 
@@ -17,15 +20,19 @@ class ProjectOutput(serializers.Serializer):
 
 
 class ProjectListApi(APIView):
+    @extend_schema(operation_id="projects_list", responses={200: ProjectOutput(many=True),
+                                                             **errors(401)})
     def get(self, request):
         return Response(ProjectOutput(project_list(user=request.user), many=True).data)
 
 
 class ProjectCreateApi(APIView):
     class InputSerializer(serializers.Serializer):
-        name = serializers.CharField(max_length=100)
+        name = BoundedText(max_length=100)
         slug = serializers.SlugField(max_length=100, required=False)
 
+    @extend_schema(operation_id="projects_create", request=InputSerializer,
+                   responses={201: ProjectOutput, **errors(400, 401, 409)})
     def post(self, request):
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -40,8 +47,11 @@ class TokenOutput(serializers.Serializer):
 class TokenObtainApi(ObtainAuthToken):
     """Trade a username and password for the user's API token."""
 
-    @extend_schema(request=ObtainAuthToken.serializer_class, responses={200: TokenOutput},
-                   auth=[], operation_id="auth_token_create")
+    parser_classes = [JSONParser]
+
+    @extend_schema(request=ObtainAuthToken.serializer_class,
+                   responses={200: TokenOutput, **errors(400, 429)}, auth=[],
+                   operation_id="auth_token_create")
     def post(self, request, *args, **kwargs):
         if login_blocked(request):
             raise exceptions.Throttled(wait=retry_after_s(),

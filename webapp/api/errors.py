@@ -70,3 +70,25 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
         response.data["message"] = "invalid input: " + "; ".join(
             f"{e['field']}: {e['message']}" if e["field"] else e["message"] for e in errors[:5])
     return response
+
+
+def not_found(request, exception=None):
+    """Django's 404 (a URL no view matches, e.g. /api/runs/abc/): JSON under /api/, like every
+    other API error; the usual page elsewhere."""
+    from django.http import JsonResponse
+    from django.views.defaults import page_not_found
+
+    if request.path.startswith("/api/"):
+        return JsonResponse({"message": "not found", "errors": [
+            {"field": None, "message": f"no API endpoint at {request.path[:200]}"}]}, status=404)
+    return page_not_found(request, exception)
+
+
+def server_error(request):
+    from django.http import JsonResponse
+    from django.views.defaults import server_error as page
+
+    if request.path.startswith("/api/"):
+        return JsonResponse({"message": "internal error", "errors": [
+            {"field": None, "message": "internal error; it has been logged"}]}, status=500)
+    return page(request)

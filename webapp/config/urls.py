@@ -15,3 +15,6 @@ urlpatterns = [
     path("api/", include("webapp.api.urls")),
     path("", include("webapp.dashboard.urls")),
 ]
+
+handler404 = "webapp.api.errors.not_found"
+handler500 = "webapp.api.errors.server_error"

@@ -9,7 +9,7 @@ MAX_ID = 2**63 - 1  # ids and steps are 64-bit in the database
 
 def int_param(request, name: str) -> int | None:
     raw = request.query_params.get(name)
-    if raw in (None, ""):
+    if raw is None:
         return None
     try:
         value = int(raw)
@@ -18,6 +18,13 @@ def int_param(request, name: str) -> int | None:
     if not 0 <= value <= MAX_ID:
         raise ValidationError({name: f"must be between 0 and {MAX_ID}"})
     return value
+
+
+def choice_param(request, name: str, choices: list[str]) -> str | None:
+    raw = request.query_params.get(name)
+    if raw is not None and raw not in choices:
+        raise ValidationError({name: f"must be one of {', '.join(choices)}"})
+    return raw
 
 
 def list_param(request, name: str, *, max_items: int, max_length: int = 200) -> list[str] | None:

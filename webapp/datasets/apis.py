@@ -1,10 +1,13 @@
+from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
-from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from rest_framework.parsers import MultiPartParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from webapp.accounts.selectors import project_get_for_user
+from webapp.core.fields import BoundedText
 from webapp.core.params import int_param
+from webapp.core.schema import PROJECT_FILTER, errors
 from webapp.core.uploads import upload_check
 from webapp.datasets.builtins import BUILTINS
 from webapp.datasets.models import Dataset
@@ -38,6 +41,8 @@ class DatasetOutput(serializers.Serializer):
 
 
 class DatasetListApi(APIView):
+    @extend_schema(operation_id="datasets_list", parameters=[PROJECT_FILTER],
+                   responses={200: DatasetOutput(many=True), **errors(400, 401)})
     def get(self, request):
         qs = dataset_list(user=request.user, project_id=int_param(request, "project"))
         return Response(DatasetOutput(qs.prefetch_related("versions"), many=True).data)
@@ -46,16 +51,18 @@ class DatasetListApi(APIView):
 class DatasetUploadApi(APIView):
     """Upload JSONL, Parquet or CSV; a second upload with the same name adds a version."""
 
-    parser_classes = [MultiPartParser, FormParser]
+    parser_classes = [MultiPartParser]
 
     class InputSerializer(serializers.Serializer):
         project = serializers.IntegerField()
-        name = serializers.CharField(max_length=100)
+        name = BoundedText(max_length=100)
         task = serializers.ChoiceField(choices=Dataset.Task.values)
         file = serializers.FileField()
         file_format = serializers.ChoiceField(choices=["jsonl", "parquet", "csv"], required=False)
         description = serializers.CharField(required=False, allow_blank=True, default="")
 
+    @extend_schema(operation_id="datasets_upload", request={"multipart/form-data": InputSerializer},
+                   responses={201: DatasetVersionDetailOutput, **errors(400, 401, 404, 413)})
     def post(self, request):
         request.data  # noqa: B018  (parse first: the size cap is enforced while parsing)
         upload_check(request)
@@ -71,15 +78,16 @@ class DatasetUploadApi(APIView):
 
 
 class DatasetBuiltinCreateApi(APIView):
-    parser_classes = [JSONParser]
 
     class InputSerializer(serializers.Serializer):
         project = serializers.IntegerField()
-        name = serializers.CharField(max_length=100)
+        name = BoundedText(max_length=100)
         builtin = serializers.ChoiceField(choices=sorted(BUILTINS))
         size = serializers.IntegerField(min_value=10, max_value=100_000, default=2000)
         seed = serializers.IntegerField(default=0)
 
+    @extend_schema(operation_id="datasets_builtin_create", request=InputSerializer,
+                   responses={201: DatasetVersionDetailOutput, **errors(400, 401, 404)})
     def post(self, request):
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -90,11 +98,14 @@ class DatasetBuiltinCreateApi(APIView):
 
 
 class DatasetDetailApi(APIView):
+    @extend_schema(operation_id="datasets_retrieve", responses={200: DatasetOutput, **errors(401, 404)})
     def get(self, request, dataset_id: int):
         return Response(DatasetOutput(dataset_get(user=request.user, dataset_id=dataset_id)).data)
 
 
 class DatasetVersionDetailApi(APIView):
+    @extend_schema(operation_id="dataset_versions_retrieve",
+                   responses={200: DatasetVersionDetailOutput, **errors(401, 404)})
     def get(self, request, version_id: int):
         version = dataset_version_get(user=request.user, version_id=version_id)
         return Response(DatasetVersionDetailOutput(version).data)

@@ -1,10 +1,13 @@
+from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
+from rest_framework.exceptions import ValidationError
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from webapp.core.params import int_param
-
+from webapp.core.fields import BoundedText
+from webapp.core.params import choice_param, int_param
+from webapp.core.schema import PROJECT_FILTER, errors, int_query, str_query
 from webapp.accounts.selectors import project_get_for_user
 from webapp.datasets.selectors import dataset_version_get
 from webapp.rewards.selectors import reward_version_get
@@ -23,9 +26,9 @@ class RunOutput(serializers.Serializer):
     dataset_version_id = serializers.IntegerField()
     reward_version_id = serializers.IntegerField()
     created_at = serializers.DateTimeField()
-    started_at = serializers.DateTimeField()
-    finished_at = serializers.DateTimeField()
-    duration_s = serializers.FloatField()
+    started_at = serializers.DateTimeField(allow_null=True, help_text="null while queued")
+    finished_at = serializers.DateTimeField(allow_null=True, help_text="null until it ends")
+    duration_s = serializers.FloatField(allow_null=True, help_text="null until it starts")
 
 
 class RunSpecOutput(RunOutput):
@@ -35,12 +38,43 @@ class RunSpecOutput(RunOutput):
     spec = serializers.JSONField()
 
 
+class RunCreatedOutput(RunSpecOutput):
+    ingest_token = serializers.CharField(help_text="for a trainer you run yourself: shown once, "
+                                                   "void when the run ends")
+
+
+class RunPageOutput(serializers.Serializer):
+    count = serializers.IntegerField()
+    next = serializers.URLField(allow_null=True)
+    previous = serializers.URLField(allow_null=True)
+    results = RunOutput(many=True)
+
+
+class RunEventOutput(serializers.Serializer):
+    id = serializers.IntegerField()
+    time = serializers.DateTimeField()
+    kind = serializers.CharField()
+    message = serializers.CharField(allow_blank=True)
+    data = serializers.JSONField()
+
+
 class RunListApi(APIView):
+    @extend_schema(operation_id="runs_list", parameters=[
+        PROJECT_FILTER, str_query("status", "only runs in this state", list(Run.Status.values)),
+        str_query("search", "name contains"),
+        int_query("limit", "page size (default 50, at most 1000)", minimum=1),
+        int_query("offset", "first item")],
+        responses={200: RunPageOutput, **errors(400, 401)})
     def get(self, request):
         q = request.query_params
         qs = run_list(user=request.user, project_id=int_param(request, "project"),
-                      status=q.get("status"), search=q.get("search"))
+                      status=choice_param(request, "status", list(Run.Status.values)),
+                      search=q.get("search"))
+        int_param(request, "offset")  # the paginator ignores bad values: refuse them instead
+        if int_param(request, "limit") == 0:
+            raise ValidationError({"limit": "must be at least 1"})
         page = LimitOffsetPagination()
+        page.max_limit = 1000
         items = page.paginate_queryset(qs, request, view=self)
         return page.get_paginated_response(RunOutput(items, many=True).data)
 
@@ -48,11 +82,13 @@ class RunListApi(APIView):
 class RunCreateApi(APIView):
     class InputSerializer(serializers.Serializer):
         project = serializers.IntegerField()
-        name = serializers.CharField(max_length=100)
+        name = BoundedText(max_length=100)
         dataset_version = serializers.IntegerField()
         reward_version = serializers.IntegerField()
         spec = serializers.DictField(required=False, default=dict)  # a mapping of sections
 
+    @extend_schema(operation_id="runs_create", request=InputSerializer,
+                   responses={201: RunCreatedOutput, **errors(400, 401, 403, 404)})
     def post(self, request):
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -69,18 +105,25 @@ class RunCreateApi(APIView):
 
 
 class RunCancelApi(APIView):
+    @extend_schema(operation_id="runs_cancel", request=None,
+                   responses={202: RunOutput, **errors(401, 404, 409)})
     def post(self, request, run_id: int):
         run = run_cancel(run=run_get(user=request.user, run_id=run_id), user=request.user)
         return Response(RunOutput(run).data, status=202)
 
 
 class RunResumeApi(APIView):
+    @extend_schema(operation_id="runs_resume", request=None,
+                   responses={202: RunOutput, **errors(401, 404, 409)})
     def post(self, request, run_id: int):
         run = run_resume(run=run_get(user=request.user, run_id=run_id), user=request.user)
         return Response(RunOutput(run).data, status=202)
 
 
 class RunEventsApi(APIView):
+    @extend_schema(operation_id="runs_events_list",
+                   parameters=[int_query("after", "only events with a larger id (for polling)")],
+                   responses={200: RunEventOutput(many=True), **errors(400, 401, 404)})
     def get(self, request, run_id: int):
         run = run_get(user=request.user, run_id=run_id)
         events = run_event_list(run=run, after=int_param(request, "after") or 0)

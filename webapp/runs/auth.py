@@ -3,6 +3,7 @@ database access)."""
 
 from __future__ import annotations
 
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
 
 from webapp.runs.selectors import run_get_by_ingest_token
@@ -33,3 +34,16 @@ class IngestTokenAuthentication(authentication.BaseAuthentication):
 
     def authenticate_header(self, request) -> str:
         return self.keyword
+
+
+class IngestTokenScheme(OpenApiAuthenticationExtension):
+    """The second security scheme in the OpenAPI schema: a run's ingest token as a Bearer token
+    (user endpoints take the user's API token: ``Authorization: Token <key>``)."""
+
+    target_class = "webapp.runs.auth.IngestTokenAuthentication"
+    name = "runIngestToken"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer",
+                "description": "a run's ingest token (issued when the run is created; void once "
+                               "the run ends)"}

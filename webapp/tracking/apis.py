@@ -2,13 +2,17 @@
 token), and what a user reads of a run's tracking data (detail with latest metrics, series,
 trajectories, comparisons)."""
 
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_field
 from rest_framework import serializers
 from rest_framework.exceptions import PermissionDenied, ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from webapp.core.fields import BoundedText
 from webapp.core.json_input import json_check
 from webapp.core.params import int_param, list_param
+from webapp.core.schema import errors, int_query, str_query
 from webapp.runs.apis import RunOutput, RunSpecOutput
 from webapp.runs.auth import IngestTokenAuthentication, RunIngestUser
 from webapp.runs.models import Run
@@ -33,11 +37,33 @@ class IngestApi(APIView):
         return self.request.auth
 
 
+INGEST_ERRORS = errors(400, 401, 413)
+
+
+class PointInput(serializers.Serializer):
+    """Documents a point; the service checks each one and names the bad one (points[3].step)."""
+
+    key = BoundedText(max_length=100)
+    step = serializers.IntegerField(min_value=-(2**63), max_value=2**63 - 1)
+    value = serializers.FloatField()
+    time = serializers.FloatField(required=False, help_text="Unix seconds; default: now")
+
+
 class MetricsIngestApi(IngestApi):
     class InputSerializer(serializers.Serializer):
         batch_id = serializers.CharField(required=False)
         points = serializers.ListField(child=serializers.DictField(), allow_empty=True)
 
+    class SchemaInput(serializers.Serializer):
+        batch_id = serializers.CharField(required=False)
+        points = PointInput(many=True)
+
+    class Output(serializers.Serializer):
+        inserted = serializers.IntegerField(help_text="points new or changed")
+        received = serializers.IntegerField()
+
+    @extend_schema(operation_id="ingest_metrics", request=SchemaInput,
+                   responses={200: Output, **INGEST_ERRORS})
     def post(self, request):
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -46,16 +72,22 @@ class MetricsIngestApi(IngestApi):
 
 
 class EventInput(serializers.Serializer):
-    kind = serializers.CharField(max_length=30, default="log")
+    kind = BoundedText(max_length=30, default="log")
     message = serializers.CharField(allow_blank=True, default="", max_length=20_000)
     data = serializers.DictField(required=False, default=dict)
-    dedup_key = serializers.CharField(max_length=100, required=False, allow_null=True, default=None)
+    dedup_key = BoundedText(max_length=100, required=False, allow_null=True, default=None)
+
+
+class StoredOutput(serializers.Serializer):
+    stored = serializers.IntegerField()
 
 
 class EventsIngestApi(IngestApi):
     class InputSerializer(serializers.Serializer):
         events = serializers.ListField(child=EventInput(), max_length=1000)
 
+    @extend_schema(operation_id="ingest_events", request=InputSerializer,
+                   responses={200: StoredOutput, **INGEST_ERRORS})
     def post(self, request):
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -74,6 +106,12 @@ class StatusIngestApi(IngestApi):
                                                   "cancelled"])
         reason = serializers.CharField(required=False, allow_blank=True, default="")
 
+    class Output(serializers.Serializer):
+        status = serializers.CharField()
+        cancel_requested = serializers.BooleanField()
+
+    @extend_schema(operation_id="ingest_status", request=InputSerializer,
+                   responses={200: Output, **INGEST_ERRORS})
     def post(self, request):
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -81,10 +119,28 @@ class StatusIngestApi(IngestApi):
         return Response({"status": run.status, "cancel_requested": run.cancel_requested})
 
 
+class SampleInput(serializers.Serializer):
+    """Documents a sample; the service checks each one and names the bad one."""
+
+    step = serializers.IntegerField(min_value=-(2**63), max_value=2**63 - 1)
+    index = serializers.IntegerField(required=False, min_value=0, max_value=2**31 - 1)
+    prompt = serializers.CharField(allow_blank=True)
+    completion = serializers.CharField(allow_blank=True)
+    reward = serializers.FloatField()
+    tokens = serializers.ListField(child=serializers.JSONField(), required=False)
+    token_versions = serializers.ListField(child=serializers.IntegerField(), required=False)
+    info = serializers.DictField(required=False)
+
+
 class TrajectoriesIngestApi(IngestApi):
     class InputSerializer(serializers.Serializer):
         samples = serializers.ListField(child=serializers.DictField(), max_length=1000)
 
+    class SchemaInput(serializers.Serializer):
+        samples = SampleInput(many=True, max_length=1000)
+
+    @extend_schema(operation_id="ingest_trajectories", request=SchemaInput,
+                   responses={200: StoredOutput, **INGEST_ERRORS})
     def post(self, request):
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -95,8 +151,13 @@ class CheckpointIngestApi(IngestApi):
     class InputSerializer(serializers.Serializer):
         step = serializers.IntegerField(min_value=0, max_value=2**63 - 1)
         version = serializers.IntegerField(min_value=0, max_value=2**63 - 1)
-        path = serializers.CharField(max_length=1000)
+        path = BoundedText(max_length=1000)
 
+    class Output(serializers.Serializer):
+        ok = serializers.BooleanField()
+
+    @extend_schema(operation_id="ingest_checkpoint", request=InputSerializer,
+                   responses={200: Output, **INGEST_ERRORS})
     def post(self, request):
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -104,9 +165,25 @@ class CheckpointIngestApi(IngestApi):
         return Response({"ok": True})
 
 
+class RunRewardOutput(serializers.Serializer):
+    fn = serializers.CharField()
+    source = serializers.CharField(allow_blank=True)
+
+
 class RunInfoIngestApi(IngestApi):
     """What the GPU side needs: the spec, the dataset rows location, cancellation."""
 
+    class Output(serializers.Serializer):
+        id = serializers.IntegerField()
+        name = serializers.CharField()
+        status = serializers.CharField()
+        cancel_requested = serializers.BooleanField()
+        spec = serializers.JSONField()
+        attempt = serializers.IntegerField()
+        last_step = serializers.IntegerField(allow_null=True)
+        reward = RunRewardOutput()
+
+    @extend_schema(operation_id="ingest_run_retrieve", responses={200: Output, **errors(401)})
     def get(self, request):
         run = self.run
         # The last trained step the tracker has: the flow's heartbeat for trainers on other nodes.
@@ -119,6 +196,9 @@ class RunInfoIngestApi(IngestApi):
 
 
 class DatasetRowsIngestApi(IngestApi):
+    @extend_schema(operation_id="ingest_dataset_rows", responses={
+        (200, "application/jsonl"): OpenApiResponse(OpenApiTypes.BINARY, description="one JSON row per line"),
+        **errors(401)})
     def get(self, request):
         from django.http import FileResponse
 
@@ -133,11 +213,13 @@ class DatasetRowsIngestApi(IngestApi):
 class RunDetailOutput(RunSpecOutput):
     latest_metrics = serializers.SerializerMethodField()
 
+    @extend_schema_field(serializers.DictField(child=serializers.FloatField()))
     def get_latest_metrics(self, run: Run) -> dict:
         return latest_metrics(run=run)
 
 
 class RunDetailApi(APIView):
+    @extend_schema(operation_id="runs_retrieve", responses={200: RunDetailOutput, **errors(401, 404)})
     def get(self, request, run_id: int):
         return Response(RunDetailOutput(run_get(user=request.user, run_id=run_id)).data)
 
@@ -156,9 +238,28 @@ def _buckets(request) -> int:
     return buckets
 
 
+class SeriesOutput(serializers.Serializer):
+    key = serializers.CharField()
+    step = serializers.ListField(child=serializers.IntegerField())
+    mean = serializers.ListField(child=serializers.FloatField())
+    min = serializers.ListField(child=serializers.FloatField())
+    max = serializers.ListField(child=serializers.FloatField())
+    downsampled = serializers.BooleanField()
+
+
+KEYS = str_query("keys", "comma-separated metric keys (at most 50)")
+BUCKETS = int_query("buckets", "points per series (default 500)", minimum=1, maximum=5000)
+
+
 class RunMetricsApi(APIView):
     """Downsampled series (min/max/mean per step bucket) for the given metric keys."""
 
+    class Output(serializers.Serializer):
+        run = serializers.IntegerField()
+        series = SeriesOutput(many=True)
+
+    @extend_schema(operation_id="runs_metrics_retrieve", parameters=[KEYS, BUCKETS],
+                   responses={200: Output, **errors(400, 401, 404)})
     def get(self, request, run_id: int):
         run = run_get(user=request.user, run_id=run_id)
         keys = _keys(request, ["reward/mean"])
@@ -167,7 +268,21 @@ class RunMetricsApi(APIView):
                                                    for k in keys]})
 
 
+class TrajectoryOutput(serializers.Serializer):
+    step = serializers.IntegerField()
+    index = serializers.IntegerField()
+    prompt = serializers.CharField(allow_blank=True)
+    completion = serializers.CharField(allow_blank=True)
+    reward = serializers.FloatField()
+    tokens = serializers.ListField(child=serializers.JSONField())
+    token_versions = serializers.ListField(child=serializers.JSONField())
+    info = serializers.JSONField()
+
+
 class RunTrajectoriesApi(APIView):
+    @extend_schema(operation_id="runs_trajectories_list",
+                   parameters=[int_query("step", "this step's samples (default: the latest step)")],
+                   responses={200: TrajectoryOutput(many=True), **errors(400, 401, 404)})
     def get(self, request, run_id: int):
         run = run_get(user=request.user, run_id=run_id)
         samples = trajectory_list(run=run, step=int_param(request, "step"))
@@ -176,7 +291,22 @@ class RunTrajectoriesApi(APIView):
                           "token_versions": s.token_versions, "info": s.info} for s in samples])
 
 
+class DiffRowOutput(serializers.Serializer):
+    key = serializers.CharField()
+    values = serializers.ListField(child=serializers.JSONField(allow_null=True))
+    differs = serializers.BooleanField()
+
+
 class RunCompareApi(APIView):
+    class Output(serializers.Serializer):
+        runs = RunOutput(many=True)
+        config_diff = DiffRowOutput(many=True)
+        latest = serializers.JSONField(help_text="run id -> metric key -> latest value")
+        series = serializers.JSONField(help_text="run id -> list of series as in /metrics/")
+
+    @extend_schema(operation_id="runs_compare", parameters=[
+        str_query("ids", "comma-separated run ids, 2-20"), KEYS, BUCKETS],
+        responses={200: Output, **errors(400, 401, 404)})
     def get(self, request):
         try:
             ids = [int(x) for x in list_param(request, "ids", max_items=20, max_length=18) or []]
