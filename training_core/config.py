@@ -163,8 +163,22 @@ class TrainerSpec(_Section):
     micro_batch_tokens: int = Field(8192, ge=1)
     zero_stage: Literal[0, 1, 2, 3] = 0
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
-    recompute_proximal: bool = True
+    recompute_proximal: Literal["stale", "always", "never"] = Field(
+        "stale", description="which samples get their proximal logprobs from a trainer forward: "
+        "'stale' (default) those with a token from an older policy version, since a sample the "
+        "current version generated has proximal = behaviour policy; 'always' every sample (for "
+        "servers whose numerics differ from the trainer's, e.g. bf16 SGLang against an fp32 "
+        "trainer); 'never' approximates proximal by behaviour for all (w = 1)")
     threads: int = Field(1, ge=1, description="torch threads in the trainer process")
+    borrow_idle_threads: bool = Field(
+        True, description="on CPU with local embedded servers: while generation is held by the "
+        "staleness bound (the servers are idle), the trainer also uses the servers' threads")
+
+    @field_validator("recompute_proximal", mode="before")
+    @classmethod
+    def _recompute_bool(cls, value: Any) -> Any:
+        # Specs written before the modes: true meant every sample, false none.
+        return {True: "always", False: "never"}.get(value, value) if isinstance(value, bool) else value
 
 
 class CheckpointSpec(_Section):

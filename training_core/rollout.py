@@ -176,6 +176,11 @@ class RolloutExecutor:
 
     # ---- the trainer side -------------------------------------------------------------------
 
+    def in_flight(self) -> int:
+        """Episodes started and not finished: 0 means the servers have nothing to generate."""
+        with self._cond:
+            return len(self._outstanding) - len(self._done)
+
     def prepare_batch(self, batch_groups: int, version: int, timeout_s: float | None = None) -> Batch:
         """Block until ``batch_groups`` groups are ready; take the oldest."""
         start = time.perf_counter()

@@ -56,7 +56,7 @@ from training_core.models.loading import load_tokenizer, run_model_dir
 from training_core.processes import Fleet
 from training_core.rewards.pool import RewardPool
 from training_core.rollout import Batch, RolloutExecutor
-from training_core.staleness import StalenessManager
+from training_core.staleness import StalenessManager, rows_needing_proximal
 from training_core.weight_sync import WeightSync, make_weight_sync
 from training_core.workflows import load_workflow
 from training_core.workflows.base import WorkflowContext
@@ -151,15 +151,25 @@ def sample_records(groups, tokenizer, n: int, extract: str = "auto") -> list[dic
 
 
 def proximal_and_reference(trainer: DeepSpeedTrainer, tb: TrainBatch, algo: AlgorithmConfig,
-                           spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs of the policy before this update (recomputed, or approximated by the behaviour
-    policy, w = 1) and of the reference policy for KL presets."""
-    if algo.decoupled and spec.trainer.recompute_proximal:
+                           spec: RunSpec, version: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """Logprobs of the policy before this update (version ``version``) and of the reference
+    policy for KL presets, and how many rows took a trainer forward for the first.
+
+    A row the current version generated has proximal = behaviour logprobs; the others are
+    recomputed (``staleness.rows_needing_proximal``). Under ZeRO-3 with several ranks a forward
+    is a collective, so every rank recomputes all of its rows (the same number of forwards)."""
+    mode = spec.trainer.recompute_proximal if algo.decoupled else "never"
+    if mode == "stale" and trainer.zero_stage == 3 and rank_and_world()[1] > 1:
+        mode = "always"
+    rows = rows_needing_proximal(tb.versions, tb.loss_mask, version, mode)
+    prox = tb.behav_logp.clone()
+    if len(rows) == len(prox):
         prox = trainer.logprobs(tb)
-    else:
-        prox = tb.behav_logp.clone()
+    elif rows:
+        sub = tb.select(rows)
+        prox[torch.tensor(rows), : sub.input_ids.shape[1]] = trainer.logprobs(sub)
     ref = trainer.logprobs(tb, trainer.reference) if trainer.reference is not None else None
-    return prox, ref
+    return prox, ref, len(rows)
 
 
 def ppo_loss(algo: AlgorithmConfig):
@@ -192,17 +202,52 @@ def restore(trainer: DeepSpeedTrainer, run_dir: Path, sync: WeightSync) -> Resum
     return Resumed(state["version"], state["step"] + 1, state, found[1])
 
 
+class ThreadShare:
+    """On CPU, the trainer and local embedded servers share the machine's cores. While generation
+    is held by the staleness bound (nothing in flight: with eta = 0 during every update, with
+    eta > 0 whenever generation is ahead) the servers idle until the next weight push, so the
+    trainer uses their threads too; otherwise it keeps its own."""
+
+    def __init__(self, spec: RunSpec, fleet: Fleet | None, executor: RolloutExecutor, world: int):
+        self.base = spec.trainer.threads
+        self.idle_share = (spec.rollout.server_threads * len(fleet.urls)
+                           if spec.trainer.borrow_idle_threads and fleet is not None
+                           and world == 1 and not torch.cuda.is_available() else 0)
+        self.executor = executor
+        self.borrowed = 0  # phases of this step that ran with the servers' threads
+
+    def update(self) -> None:
+        """Before a compute phase: take the idle servers' threads, or give them back."""
+        borrow = self.idle_share > 0 and self.executor.in_flight() == 0
+        self.borrowed += borrow
+        torch.set_num_threads(self.base + (self.idle_share if borrow else 0))
+
+    def release(self) -> int:
+        """After the update (the weight push starts generation again); the phases borrowed."""
+        torch.set_num_threads(self.base)
+        borrowed, self.borrowed = self.borrowed, 0
+        return borrowed
+
+
 def collective_update(trainer: DeepSpeedTrainer, tb: TrainBatch, algo: AlgorithmConfig,
-                      spec: RunSpec, sync: WeightSync, version: int, timers: Timers) -> dict[str, float]:
+                      spec: RunSpec, sync: WeightSync, version: int, timers: Timers,
+                      threads: ThreadShare | None = None) -> dict[str, float]:
     """Steps 3-5 of the loop: the part every rank runs, in this order, because each call holds
     collectives (gradient all-reduce, ZeRO gathers for the export)."""
-    # 3. Proximal logprobs: the policy right before this update, by a trainer forward.
+    # 3. Proximal logprobs: the policy right before this update, by a trainer forward, for the
+    #    rows an older version generated (a row the current version generated has them already).
+    if threads is not None:
+        threads.update()
     with timers("proximal_logp"):
-        prox, ref = proximal_and_reference(trainer, tb, algo, spec)
+        prox, ref, recomputed = proximal_and_reference(trainer, tb, algo, spec, version - 1)
+    if threads is not None:
+        threads.update()
     # 4. Policy update: decoupled PPO, token mean over the global batch.
     with timers("update"):
         stats = trainer.train_step(tb, prox, ppo_loss(algo), minibatches=spec.trainer.ppo_minibatches,
                                    ref_logp=ref)
+    stats["proximal_recomputed_frac"] = recomputed / max(1, tb.input_ids.shape[0])
+    stats["threads_borrowed_phases"] = threads.release() if threads is not None else 0
     # 5. Export the new weights (generation keeps running meanwhile).
     with timers("export_weights"):
         sync.export(trainer, version)
@@ -247,6 +292,8 @@ def step_metrics(batch: Batch, stats: dict[str, float], *, version: int, running
         "behav_weight/masked_frac": stats["behav_masked"] / per_token,
         "kl": stats["kl_sum"] / per_token,
         "grad_norm": stats["grad_norm"],
+        "proximal/recomputed_frac": stats["proximal_recomputed_frac"],
+        "time/trainer_threads_borrowed": stats["threads_borrowed_phases"],
         "tokens/consumed": tokens,
         "tokens_per_s": tokens / step_time,
         "rollout/queue_depth": batch.queue_depth,
@@ -355,6 +402,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
         sink.status("running")
     batch_log = (run_dir / BATCH_LOG).open("a", buffering=1)
     executor.start()
+    threads = ThreadShare(spec, fleet, executor, world)
     bar = tqdm(total=spec.trainer.steps, initial=first_step - 1, disable=not progress,
                desc=spec.name, unit="step", dynamic_ncols=True)
     step = first_step - 1
@@ -383,7 +431,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
                 tb = scatter_batch(tb, world)  # this rank's share (all of it with one process)
 
             # 3-5. Proximal logprobs, update, weight export: on every rank (collective_update).
-            stats = collective_update(trainer, tb, algo, spec, sync, version + 1, timers)
+            stats = collective_update(trainer, tb, algo, spec, sync, version + 1, timers, threads)
 
             # 6. Pause generation only for the load: in-flight requests abort and are re-submitted
             #    with their partial output by the client once generation continues.

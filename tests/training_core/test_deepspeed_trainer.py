@@ -127,3 +127,71 @@ def test_dropout_is_off_so_the_first_ratio_is_exactly_one(tiny_model_dir, tmp_pa
     assert seen == [0.0]
     module = trainer.engine.module
     assert all(getattr(m, "attention_dropout", 0.0) == 0.0 for m in module.modules())
+
+
+def test_rows_needing_proximal_are_exactly_the_stale_ones():
+    from training_core.staleness import rows_needing_proximal
+
+    # Row 0: every output token from version 3 (the current one); row 1: one token from 2;
+    # row 2: prompt tokens (version -1, outside the loss mask) only older; row 3: all from 1.
+    versions = torch.tensor([[-1, -1, 3, 3], [-1, -1, 2, 3], [-1, -1, 3, 3], [-1, -1, 1, 1]])
+    mask = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1]])
+    assert rows_needing_proximal(versions, mask, 3, "stale") == [1, 3]
+    assert rows_needing_proximal(versions, mask, 3, "always") == [0, 1, 2, 3]
+    assert rows_needing_proximal(versions, mask, 3, "never") == []
+    assert rows_needing_proximal(versions, mask, 4, "stale") == [0, 1, 2, 3]
+
+
+def test_proximal_pass_recomputes_stale_rows_and_keeps_fresh_ones(trainer):
+    """Fresh rows keep their behaviour logprobs (the server's logprobs equal a trainer forward in
+    the same dtype: test_embedded_server.py::test_logprobs_match_a_full_forward_pass); stale rows
+    get exactly what a full recompute gives them, whatever rows they are packed with."""
+    from training_core.config import load_spec
+    from training_core.train import proximal_and_reference
+
+    b = _batch(n=6, seed=3)
+    b.behav_logp = torch.full_like(b.behav_logp, -7.0) * b.loss_mask  # recognisable
+    b.versions = torch.full_like(b.versions, 5)
+    b.versions[[1, 4], -1] = 4  # one older token makes a row stale
+    full = trainer.logprobs(b)
+    spec = load_spec(None, ["model.path=tiny"])
+    prox, ref, recomputed = proximal_and_reference(trainer, b, PRESETS["grpo"], spec, 5)
+    assert recomputed == 2 and ref is None
+    assert torch.allclose(prox[[1, 4]], full[[1, 4]], atol=1e-6)
+    assert torch.equal(prox[[0, 2, 3, 5]], b.behav_logp[[0, 2, 3, 5]])
+    always = load_spec(None, ["model.path=tiny", "trainer.recompute_proximal=always"])
+    prox, _, recomputed = proximal_and_reference(trainer, b, PRESETS["grpo"], always, 5)
+    assert recomputed == 6 and torch.allclose(prox, full, atol=1e-6)
+    # Specs from before the modes keep their meaning.
+    assert load_spec(None, ["trainer.recompute_proximal=true"]).trainer.recompute_proximal == "always"
+    assert load_spec(None, ["trainer.recompute_proximal=false"]).trainer.recompute_proximal == "never"
+
+
+def test_trainer_borrows_the_servers_threads_only_while_they_idle():
+    from types import SimpleNamespace
+
+    from training_core.config import load_spec
+    from training_core.train import ThreadShare
+
+    spec = load_spec(None, ["model.path=tiny", "trainer.threads=1", "rollout.server_threads=1"])
+    fleet = SimpleNamespace(urls=["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    in_flight = [0]
+    executor = SimpleNamespace(in_flight=lambda: in_flight[0])
+    before = torch.get_num_threads()
+    try:
+        share = ThreadShare(spec, fleet, executor, world=1)
+        share.update()
+        assert torch.get_num_threads() == 3  # its own and both idle servers'
+        in_flight[0] = 5
+        share.update()
+        assert torch.get_num_threads() == 1  # generation runs: give them back
+        assert share.release() == 1 and torch.get_num_threads() == 1
+        # Several ranks, remote servers or the option off: never.
+        for off in (ThreadShare(spec, fleet, executor, world=2), ThreadShare(spec, None, executor, 1),
+                    ThreadShare(load_spec(None, ["trainer.borrow_idle_threads=false"]), fleet,
+                                executor, 1)):
+            in_flight[0] = 0
+            off.update()
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

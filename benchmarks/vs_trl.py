@@ -1,0 +1,243 @@
+"""Oolong against TRL's GRPOTrainer, side by side: same model folder, data, reward, seed, batch
+and machine, in one run.
+
+Three systems per workload, each in its own process, one after the other, all from the same
+warm-started weights:
+- ``trl``: TRL's ``GRPOTrainer`` (synchronous, one process), torch with 2 threads;
+- ``oolong_sync``: Oolong with ``rollout.max_staleness=0`` (synchronous RL);
+- ``oolong_async``: Oolong with ``rollout.max_staleness=2``.
+Equal cores: this machine's 2. TRL gets both as torch threads in its one process. Oolong runs two
+processes (the embedded rollout server and the trainer); each gets its share from the engine
+(``OMP_NUM_THREADS=1`` each, see README "Performance").
+
+Workloads: ``demo`` (configs/demo.yaml's task: two-number sums, 8 prompts x 16 samples, 12 new
+tokens) and ``long_tail`` (async_vs_sync.py's task: running sums of 2-8 terms with a long tail of
+long answers, 8 prompts x 8 samples, 48 new tokens).
+
+Per system: wall time per step (median of the steps after the first few), generated tokens per
+second, and the reward curve. Ratios above 1 mean Oolong is faster per step.
+
+    python benchmarks/vs_trl.py --quick --out bench-results/vs_trl.json
+
+TRL is a benchmark dependency only: ``pip install -c constraints.txt '.[bench]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CORES = 2  # what each system gets in total (this machine's cores)
+SKIP = 3  # first steps left out of the median (allocations, caches, the first weight push)
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "demo": {"options": "{min_terms: 2, max_terms: 2, max_value: 30}", "group_size": 16,
+             "batch_groups": 8, "max_new_tokens": 12, "lr": 2e-4},
+    "long_tail": {"options": "{min_terms: 2, max_terms: 8, max_value: 9, long_tail: 0.15}",
+                  "group_size": 8, "batch_groups": 8, "max_new_tokens": 48, "lr": 1e-4},
+}
+SYSTEMS = {"trl": None, "oolong_sync": 0, "oolong_async": 2}
+
+
+def _spec(workload: str, seed: int, extra: list[str] = ()):
+    from training_core.config import load_spec
+
+    w = WORKLOADS[workload]
+    return load_spec(None, ["model.path=tiny", "data.source=synthetic:arithmetic",
+                            f"data.options={w['options']}", f"seed={seed}", *extra])
+
+
+def _summary(step_s: list[float], tokens: list[float], rewards: list[float]) -> dict[str, Any]:
+    steady = step_s[SKIP:] if len(step_s) > SKIP else step_s
+    tok = tokens[SKIP:] if len(tokens) > SKIP else tokens
+    median = statistics.median(steady)
+    quarter = max(1, len(rewards) // 4)
+    return {"steps": len(step_s), "step_s_median": median,
+            "tokens_per_s": sum(tok) / sum(steady),
+            "reward_first": statistics.fmean(rewards[:quarter]),
+            "reward_last": statistics.fmean(rewards[-quarter:]),
+            "reward_curve": [round(r, 4) for r in rewards]}
+
+
+# ---- one system, in its own process --------------------------------------------------------
+
+
+def run_trl(workload: str, model: Path, steps: int, seed: int, work: Path) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from training_core.data.datasets import load_data
+    from training_core.data.templates import prompt_template_text
+    from training_core.models.loading import load_model, load_tokenizer
+    from training_core.rewards.registry import resolve_reward
+
+    torch.set_num_threads(CORES)
+    w = WORKLOADS[workload]
+    spec = _spec(workload, seed)
+    template = prompt_template_text(spec.data.prompt_template)
+    rows = load_data(spec.data, seed).train
+    dataset = Dataset.from_list([{"prompt": template.format(**r), "answer": str(r["answer"])}
+                                 for r in rows])
+    scorer = resolve_reward(spec.reward.fn, spec.reward.extract)
+
+    def reward(prompts, completions, answer, **_):
+        return [scorer(c, {"answer": a}) for c, a in zip(completions, answer, strict=True)]
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.started, self.step_s = 0.0, []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.step_s.append(time.perf_counter() - self.started)
+
+    batch = w["group_size"] * w["batch_groups"]
+    config = GRPOConfig(
+        output_dir=str(work / "trl"), max_steps=steps, learning_rate=w["lr"], seed=seed,
+        per_device_train_batch_size=batch, num_generations=w["group_size"],
+        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        max_completion_length=w["max_new_tokens"], temperature=1.0, beta=0.0,
+        use_cpu=True, bf16=False, fp16=False, logging_steps=1, report_to=[],
+        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+    clock = StepClock()
+    trainer = GRPOTrainer(model=load_model(model), reward_funcs=reward, args=config,
+                          train_dataset=dataset, processing_class=load_tokenizer(model),
+                          callbacks=[clock])
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    tokens = [h["completions/mean_length"] * batch for h in logs]
+    return {**_summary(clock.step_s, tokens, [h["reward"] for h in logs]),
+            "threads": f"torch.set_num_threads({CORES}) in one process"}
+
+
+def run_oolong(workload: str, staleness: int, model: Path, steps: int, seed: int,
+               work: Path) -> dict[str, Any]:
+    from training_core.metrics import read_metrics
+    from training_core.train import train
+
+    w = WORKLOADS[workload]
+    run_dir = work / f"oolong-{staleness}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    link = run_dir / "initial_model"
+    if not link.exists():
+        link.symlink_to(model.resolve())
+    spec = _spec(workload, seed, [
+        f"name=vs-trl-{workload}-{staleness}", f"run_dir={run_dir}",
+        f"rollout.max_new_tokens={w['max_new_tokens']}", f"rollout.group_size={w['group_size']}",
+        "rollout.max_concurrent=64", "rollout.temperature=1.0", "reward.executor=inline",
+        f"rollout.max_staleness={staleness}", f"trainer.batch_groups={w['batch_groups']}",
+        f"trainer.lr={w['lr']}", f"trainer.steps={steps}", "eval.every=0", "checkpoint.every=0"])
+    train(spec, progress=False)
+    rows = [r for r in read_metrics(run_dir) if r["step"] > 0]
+    batch = w["group_size"] * w["batch_groups"]
+    return {**_summary([r["time/step_s"] for r in rows],
+                       [r["response_length/mean"] * batch for r in rows],
+                       [r["reward/mean"] for r in rows]),
+            "max_staleness": staleness,
+            "threads": "2 processes (rollout server, trainer), OMP_NUM_THREADS=1 each"}
+
+
+# ---- the benchmark -------------------------------------------------------------------------
+
+
+def _side(system: str, workload: str, model: Path, steps: int, seed: int, work: Path) -> dict:
+    """One system in a fresh process (no state shared between systems)."""
+    result = work / f"{system}.json"
+    argv = [sys.executable, __file__, "--side", system, "--workload", workload, "--model",
+            str(model), "--steps", str(steps), "--seed", str(seed), "--work-dir", str(work),
+            "--result", str(result)]
+    subprocess.run(argv, check=True, cwd=ROOT)
+    return json.loads(result.read_text())
+
+
+def warm_start(workload: str, seed: int, seconds: float, work: Path) -> Path:
+    from transformers.utils import logging as hf_logging
+
+    from training_core.sft import sft
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    return sft(_spec(workload, seed), work / "initial_model", steps=10_000, seconds=seconds,
+               progress=False)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer steps (< 5 min on 2 cores)")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--warm-start-s", type=float, default=None)
+    parser.add_argument("--workloads", default="demo,long_tail")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", default="bench-results/vs_trl.json")
+    parser.add_argument("--work-dir", default=None)
+    # internal: one system in its own process
+    parser.add_argument("--side", choices=list(SYSTEMS), help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    steps = args.steps or (12 if args.quick else 40)
+    work = Path(args.work_dir or ROOT / "runs" / f"bench-vs-trl-{time.strftime('%Y%m%d-%H%M%S')}")
+    work.mkdir(parents=True, exist_ok=True)
+
+    if args.side:
+        if args.side == "trl":
+            out = run_trl(args.workload, Path(args.model), steps, args.seed, work)
+        else:
+            out = run_oolong(args.workload, SYSTEMS[args.side], Path(args.model), steps,
+                             args.seed, work)
+        Path(args.result).write_text(json.dumps(out))
+        return 0
+
+    seconds = args.warm_start_s or (25 if args.quick else 60)
+    report: dict[str, Any] = {"workloads": {}}
+    for workload in args.workloads.split(","):
+        wdir = work / workload
+        print(f"{workload}: warm start ({seconds:.0f} s, shared by all three) ...", flush=True)
+        model = warm_start(workload, args.seed, seconds, wdir)
+        results: dict[str, Any] = {}
+        for system in SYSTEMS:
+            print(f"{workload}: {system}, {steps} steps ...", flush=True)
+            results[system] = _side(system, workload, model, steps, args.seed, wdir)
+            print(f"  {results[system]['step_s_median']:.3f} s/step, "
+                  f"{results[system]['tokens_per_s']:.0f} tok/s, reward "
+                  f"{results[system]['reward_first']:.3f} -> {results[system]['reward_last']:.3f}",
+                  flush=True)
+        trl_step = results["trl"]["step_s_median"]
+        results["async_vs_trl"] = trl_step / results["oolong_async"]["step_s_median"]
+        results["sync_vs_trl"] = trl_step / results["oolong_sync"]["step_s_median"]
+        results["async_vs_sync"] = (results["oolong_sync"]["step_s_median"]
+                                    / results["oolong_async"]["step_s_median"])
+        report["workloads"][workload] = results
+        print(f"{workload}: async/TRL {results['async_vs_trl']:.2f}x, sync/TRL "
+              f"{results['sync_vs_trl']:.2f}x, async/sync {results['async_vs_sync']:.2f}x",
+              flush=True)
+    report["config"] = {"steps": steps, "quick": args.quick, "seed": args.seed,
+                        "skip_first_steps": SKIP, "cores_each": CORES, "workloads": WORKLOADS}
+    report["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(),
+                         "python": platform.python_version()}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
