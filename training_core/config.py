@@ -164,11 +164,13 @@ class TrainerSpec(_Section):
     zero_stage: Literal[0, 1, 2, 3] = 0
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
     recompute_proximal: Literal["stale", "always", "never"] = Field(
-        "stale", description="which samples get their proximal logprobs from a trainer forward: "
-        "'stale' (default) those with a token from an older policy version, since a sample the "
-        "current version generated has proximal = behaviour policy; 'always' every sample (for "
-        "servers whose numerics differ from the trainer's, e.g. bf16 SGLang against an fp32 "
-        "trainer); 'never' approximates proximal by behaviour for all (w = 1)")
+        "stale", description="proximal logprobs (the policy before the update). With one PPO "
+        "minibatch the update's own forward gives them exactly, no extra pass, unless 'never'. "
+        "With more, which samples get a separate trainer forward: 'stale' (default) those with a "
+        "token from an older policy version, since a sample the current version generated has "
+        "proximal = behaviour policy; 'always' every sample (for servers whose numerics differ "
+        "from the trainer's, e.g. bf16 SGLang against an fp32 trainer). 'never' approximates "
+        "proximal by behaviour for all (w = 1)")
     threads: int = Field(1, ge=1, description="torch threads in the trainer process")
     borrow_idle_threads: bool = Field(
         True, description="on CPU with local embedded servers: while generation is held by the "

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -151,14 +152,20 @@ def sample_records(groups, tokenizer, n: int, extract: str = "auto") -> list[dic
 
 
 def proximal_and_reference(trainer: DeepSpeedTrainer, tb: TrainBatch, algo: AlgorithmConfig,
-                           spec: RunSpec, version: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+                           spec: RunSpec, version: int
+                           ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
     """Logprobs of the policy before this update (version ``version``) and of the reference
-    policy for KL presets, and how many rows took a trainer forward for the first.
+    policy for KL presets, and how many rows took a separate trainer forward for the first.
 
-    A row the current version generated has proximal = behaviour logprobs; the others are
+    With one minibatch (one optimizer step per batch, the default) no separate pass is needed:
+    None tells the update to use its own forward, which runs before the step (exact). With more,
+    a row the current version generated has proximal = behaviour logprobs and the others are
     recomputed (``staleness.rows_needing_proximal``). Under ZeRO-3 with several ranks a forward
     is a collective, so every rank recomputes all of its rows (the same number of forwards)."""
     mode = spec.trainer.recompute_proximal if algo.decoupled else "never"
+    if mode != "never" and spec.trainer.ppo_minibatches == 1:
+        ref = trainer.logprobs(tb, trainer.reference) if trainer.reference is not None else None
+        return None, ref, 0
     if mode == "stale" and trainer.zero_stage == 3 and rank_and_world()[1] > 1:
         mode = "always"
     rows = rows_needing_proximal(tb.versions, tb.loss_mask, version, mode)
@@ -203,21 +210,48 @@ def restore(trainer: DeepSpeedTrainer, run_dir: Path, sync: WeightSync) -> Resum
 
 
 class ThreadShare:
-    """On CPU, the trainer and local embedded servers share the machine's cores. While generation
-    is held by the staleness bound (nothing in flight: with eta = 0 during every update, with
-    eta > 0 whenever generation is ahead) the servers idle until the next weight push, so the
-    trainer uses their threads too; otherwise it keeps its own."""
+    """On CPU, the trainer and its local embedded servers share the machine's cores, and the
+    cores follow the work:
+    - while generation is held by the staleness bound (nothing in flight: with eta = 0 during
+      every update, with eta > 0 whenever generation is ahead) the servers idle until the next
+      weight push, so the trainer computes with their threads too;
+    - while the trainer waits for a batch (generation is behind), it lends its threads to the
+      servers (``POST /oolong/threads``, the embedded server's own endpoint) and takes them back
+      before it computes."""
 
     def __init__(self, spec: RunSpec, fleet: Fleet | None, executor: RolloutExecutor, world: int):
         self.base = spec.trainer.threads
-        self.idle_share = (spec.rollout.server_threads * len(fleet.urls)
-                           if spec.trainer.borrow_idle_threads and fleet is not None
-                           and world == 1 and not torch.cuda.is_available() else 0)
+        self.server_threads = spec.rollout.server_threads
+        on = (spec.trainer.borrow_idle_threads and fleet is not None and world == 1
+              and not torch.cuda.is_available())
+        self.urls = list(fleet.urls) if on else []
+        self.idle_share = self.server_threads * len(self.urls)
+        self.lend_each = self.base // len(self.urls) if self.urls else 0
         self.executor = executor
-        self.borrowed = 0  # phases of this step that ran with the servers' threads
+        self.borrowed = 0  # compute phases of this step that ran with the servers' threads
+        self.lent = False
+
+    def _post_threads(self, threads: int) -> None:
+        for url in self.urls:
+            try:
+                httpx.post(f"{url}/oolong/threads", json={"threads": threads}, timeout=5)
+            except httpx.HTTPError:  # a server that is gone is the rollout side's to report
+                pass
+
+    def lend(self) -> None:
+        """The trainer is about to wait for a batch: the servers may use its threads."""
+        if self.lend_each and not self.lent:
+            self._post_threads(self.server_threads + self.lend_each)
+            self.lent = True
+
+    def reclaim(self) -> None:
+        if self.lent:
+            self._post_threads(self.server_threads)
+            self.lent = False
 
     def update(self) -> None:
-        """Before a compute phase: take the idle servers' threads, or give them back."""
+        """Before a compute phase (the proximal pass, each micro-batch of the update): take the
+        idle servers' threads, or give them back."""
         borrow = self.idle_share > 0 and self.executor.in_flight() == 0
         self.borrowed += borrow
         torch.set_num_threads(self.base + (self.idle_share if borrow else 0))
@@ -240,12 +274,11 @@ def collective_update(trainer: DeepSpeedTrainer, tb: TrainBatch, algo: Algorithm
         threads.update()
     with timers("proximal_logp"):
         prox, ref, recomputed = proximal_and_reference(trainer, tb, algo, spec, version - 1)
-    if threads is not None:
-        threads.update()
     # 4. Policy update: decoupled PPO, token mean over the global batch.
     with timers("update"):
         stats = trainer.train_step(tb, prox, ppo_loss(algo), minibatches=spec.trainer.ppo_minibatches,
-                                   ref_logp=ref)
+                                   ref_logp=ref,
+                                   before_micro_batch=threads.update if threads else None)
     stats["proximal_recomputed_frac"] = recomputed / max(1, tb.input_ids.shape[0])
     stats["threads_borrowed_phases"] = threads.release() if threads is not None else 0
     # 5. Export the new weights (generation keeps running meanwhile).
@@ -416,7 +449,9 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
 
             # 1. Take the oldest B finished groups (blocks only if generation is behind).
             with timers("wait_rollout"):
-                batch = executor.prepare_batch(B, version, timeout_s=spec.rollout.batch_timeout_s)
+                batch = executor.prepare_batch(B, version, timeout_s=spec.rollout.batch_timeout_s,
+                                               on_wait=threads.lend)
+                threads.reclaim()
             metrics = batch_metrics(batch.groups, version, algo)
             batch_log.write(json.dumps({"step": step, "version": version,
                                         "prompts": [g.prompt_index for g in batch.groups]}) + "\n")

@@ -154,12 +154,13 @@ def test_proximal_pass_recomputes_stale_rows_and_keeps_fresh_ones(trainer):
     b.versions = torch.full_like(b.versions, 5)
     b.versions[[1, 4], -1] = 4  # one older token makes a row stale
     full = trainer.logprobs(b)
-    spec = load_spec(None, ["model.path=tiny"])
+    spec = load_spec(None, ["model.path=tiny", "trainer.ppo_minibatches=2"])
     prox, ref, recomputed = proximal_and_reference(trainer, b, PRESETS["grpo"], spec, 5)
     assert recomputed == 2 and ref is None
     assert torch.allclose(prox[[1, 4]], full[[1, 4]], atol=1e-6)
     assert torch.equal(prox[[0, 2, 3, 5]], b.behav_logp[[0, 2, 3, 5]])
-    always = load_spec(None, ["model.path=tiny", "trainer.recompute_proximal=always"])
+    always = load_spec(None, ["model.path=tiny", "trainer.recompute_proximal=always",
+                              "trainer.ppo_minibatches=2"])
     prox, _, recomputed = proximal_and_reference(trainer, b, PRESETS["grpo"], always, 5)
     assert recomputed == 6 and torch.allclose(prox, full, atol=1e-6)
     # Specs from before the modes keep their meaning.
@@ -195,3 +196,26 @@ def test_trainer_borrows_the_servers_threads_only_while_they_idle():
             assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_one_minibatch_takes_the_proximal_logprobs_from_its_own_forward(tiny_model_dir):
+    """prox_logp=None (one optimizer step per batch): the same loss, gradient and new weights as
+    a separate proximal pass, and that pass is gone."""
+    b = _batch(n=6, seed=4)
+    b.behav_logp = b.behav_logp - 0.3 * b.loss_mask  # off-policy rows: w != 1 matters
+    loss_fn = lambda *a, **k: decoupled_ppo_loss(*a, cfg=PRESETS["grpo"], **k)  # noqa: E731
+    out = []
+    for separate in (True, False):
+        torch.manual_seed(0)
+        t = DeepSpeedTrainer(tiny_model_dir, lr=1e-3, weight_decay=0.0, grad_clip=1e9,
+                             zero_stage=0, micro_batch_tokens=20)
+        stats = t.train_step(b, t.logprobs(b) if separate else None, loss_fn)
+        out.append((stats, t.logprobs(b)))
+    (s1, after1), (s2, after2) = out
+    assert s1["loss"] == pytest.approx(s2["loss"], abs=1e-6)
+    assert s1["grad_norm"] == pytest.approx(s2["grad_norm"], rel=1e-5)
+    assert s1["behav_weight_sum"] == pytest.approx(s2["behav_weight_sum"], rel=1e-5)
+    assert torch.allclose(after1, after2, atol=1e-6)
+    with pytest.raises(ValueError, match="minibatches"):
+        DeepSpeedTrainer(tiny_model_dir, lr=1e-3, weight_decay=0.0, grad_clip=1.0,
+                         zero_stage=0).train_step(b, None, loss_fn, minibatches=2)

@@ -191,14 +191,27 @@ class DeepSpeedTrainer:
         net.train(was_training)
         return out
 
-    def train_step(self, batch: TrainBatch, prox_logp: torch.Tensor, loss_fn: Callable[..., Any],
-                   *, minibatches: int = 1, ref_logp: torch.Tensor | None = None) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, prox_logp: torch.Tensor | None,
+                   loss_fn: Callable[..., Any], *, minibatches: int = 1,
+                   ref_logp: torch.Tensor | None = None,
+                   before_micro_batch: Callable[[], None] | None = None) -> dict[str, float]:
         """One PPO pass over ``batch`` split in ``minibatches`` optimizer steps.
 
         ``loss_fn(logp, prox, behav, adv, mask, num_tokens=..., ref_logp=...) -> (loss, stats)``.
         The loss of every micro-batch is normalised by the minibatch's total output tokens so the
         accumulated gradient is a token mean over the (global) minibatch.
+
+        ``prox_logp=None``: the proximal policy is the policy before this update, and every
+        forward of the first minibatch runs before its optimizer step, so the update's own
+        logprobs, detached, are the proximal logprobs exactly (no separate pass; TRL does the
+        same for on-policy steps). Only a later minibatch needs them computed beforehand.
+
+        ``before_micro_batch`` runs before each micro-batch (the trainer re-balances its threads
+        there, see train.ThreadShare).
         """
+        if prox_logp is None and minibatches > 1:
+            raise ValueError("with several minibatches the proximal logprobs must be computed "
+                             "before the first optimizer step")
         self.engine.train()
         n = batch.input_ids.shape[0]
         order = list(range(n))
@@ -217,13 +230,17 @@ class DeepSpeedTrainer:
                 # (global tokens / world) makes that average the global token mean.
                 num_tokens = _all_reduce_sum([num_tokens])[0] / world
             for idx in pack_micro_batches(sub.lengths, self.micro_batch_tokens):
+                if before_micro_batch is not None:
+                    before_micro_batch()
                 mb = sub.select(idx)
                 rows = torch.tensor([chunk[i] for i in idx])
                 width = mb.input_ids.shape[1]
                 logp = sequence_logprobs(self.engine, mb.input_ids.to(self.device),
                                          mb.attention_mask.to(self.device), self.temperature)
+                prox = (logp.detach() if prox_logp is None
+                        else prox_logp[rows, :width].to(self.device))
                 loss, stats = loss_fn(
-                    logp, prox_logp[rows, :width].to(self.device), mb.behav_logp.to(self.device),
+                    logp, prox, mb.behav_logp.to(self.device),
                     mb.advantages.to(self.device), mb.loss_mask.to(self.device),
                     num_tokens=num_tokens,
                     ref_logp=None if ref_logp is None else ref_logp[rows, :width].to(self.device),
