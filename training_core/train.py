@@ -263,6 +263,45 @@ class ThreadShare:
         return borrowed
 
 
+class RolloutProfile:
+    """The rollout side of the per-step profile, from each server's ``/server_info`` counters
+    (the embedded server's; a server without them, such as SGLang, adds nothing): how busy the
+    servers were, their mean decode batch and their tokens/s since the last step. Next to the
+    trainer's ``time/*`` it shows which side is the bottleneck."""
+
+    def __init__(self, urls: list[str]):
+        self.urls = urls
+        self.last: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    def sample(self) -> dict[str, float]:
+        busy, batch, rate = [], [], []
+        for url in self.urls:
+            try:
+                info = httpx.get(f"{url}/server_info", timeout=2).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            if not all(k in info for k in ("busy_s", "tokens_generated", "steps")):
+                continue
+            now = time.perf_counter()
+            if url in self.last:
+                then, before = self.last[url]
+                wall = max(now - then, 1e-9)
+                steps = info["steps"] - before["steps"]
+                tokens = info["tokens_generated"] - before["tokens_generated"]
+                busy.append(min(1.0, (info["busy_s"] - before["busy_s"]) / wall))
+                rate.append(tokens / wall)
+                if steps > 0:
+                    batch.append(tokens / steps)
+            self.last[url] = (now, info)
+        out = {}
+        if busy:
+            out["rollout/server_busy_frac"] = statistics.fmean(busy)
+            out["rollout/tokens_per_s_per_server"] = statistics.fmean(rate)
+        if batch:
+            out["rollout/decode_batch_mean"] = statistics.fmean(batch)
+        return out
+
+
 def collective_update(trainer: DeepSpeedTrainer, tb: TrainBatch, algo: AlgorithmConfig,
                       spec: RunSpec, sync: WeightSync, version: int, timers: Timers,
                       threads: ThreadShare | None = None) -> dict[str, float]:
@@ -436,6 +475,8 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
     batch_log = (run_dir / BATCH_LOG).open("a", buffering=1)
     executor.start()
     threads = ThreadShare(spec, fleet, executor, world)
+    profile = RolloutProfile(urls)
+    profile.sample()  # the baseline for the first step
     bar = tqdm(total=spec.trainer.steps, initial=first_step - 1, disable=not progress,
                desc=spec.name, unit="step", dynamic_ncols=True)
     step = first_step - 1
@@ -491,6 +532,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
                                         running=staleness.stats().running,
                                         step_time=time.perf_counter() - step_start))
             metrics.update(timers.pop())
+            metrics.update(profile.sample())
             sink.log(step, metrics)
             sink.trajectories(step, sample_records(batch.groups, tokenizer, n=4,
                                                    extract=spec.reward.extract))

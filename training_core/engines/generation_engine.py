@@ -92,6 +92,7 @@ class GenerationEngine:
         self._stop = False
         self._threads_wanted: int | None = None
         self.threads = torch.get_num_threads()  # what the engine thread decodes with
+        self.busy_s = 0.0  # time spent prefilling and decoding (the rollout profile's busy share)
         self.tokens_generated = 0
         self.steps = 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -202,7 +203,7 @@ class GenerationEngine:
             return {"running": len(self._active), "waiting": len(self._waiting),
                     "paused": self._paused, "tokens_generated": self.tokens_generated,
                     "steps": self.steps, "weight_version": self.weight_version,
-                    "threads": self.threads}
+                    "threads": self.threads, "busy_s": self.busy_s}
 
     def shutdown(self) -> None:
         with self._cond:
@@ -252,10 +253,12 @@ class GenerationEngine:
                     else:
                         req.result.update(self._load_weights(req))
                     req.done.set()
+                started = time.perf_counter()
                 if joining:
                     self._join(joining)
                 if self._active and not self._paused:
                     self._decode_step()
+                self.busy_s += time.perf_counter() - started
             except Exception as exc:  # keep serving; fail only the requests in this batch
                 log.exception("engine step failed")
                 self._fail_active(exc)
