@@ -127,7 +127,7 @@ def run_trl(workload: str, model: Path, steps: int, seed: int, work: Path) -> di
 
 
 def run_oolong(workload: str, staleness: int, model: Path, steps: int, seed: int,
-               work: Path) -> dict[str, Any]:
+               work: Path, overrides: list[str] = ()) -> dict[str, Any]:
     from training_core.metrics import read_metrics
     from training_core.train import train
 
@@ -142,7 +142,8 @@ def run_oolong(workload: str, staleness: int, model: Path, steps: int, seed: int
         f"rollout.max_new_tokens={w['max_new_tokens']}", f"rollout.group_size={w['group_size']}",
         "rollout.max_concurrent=64", "rollout.temperature=1.0", "reward.executor=inline",
         f"rollout.max_staleness={staleness}", f"trainer.batch_groups={w['batch_groups']}",
-        f"trainer.lr={w['lr']}", f"trainer.steps={steps}", "eval.every=0", "checkpoint.every=0"])
+        f"trainer.lr={w['lr']}", f"trainer.steps={steps}", "eval.every=0", "checkpoint.every=0",
+        *overrides])
     train(spec, progress=False)
     rows = [r for r in read_metrics(run_dir) if r["step"] > 0]
     batch = w["group_size"] * w["batch_groups"]
@@ -156,12 +157,13 @@ def run_oolong(workload: str, staleness: int, model: Path, steps: int, seed: int
 # ---- the benchmark -------------------------------------------------------------------------
 
 
-def _side(system: str, workload: str, model: Path, steps: int, seed: int, work: Path) -> dict:
+def _side(system: str, workload: str, model: Path, steps: int, seed: int, work: Path,
+          overrides: list[str]) -> dict:
     """One system in a fresh process (no state shared between systems)."""
     result = work / f"{system}.json"
     argv = [sys.executable, __file__, "--side", system, "--workload", workload, "--model",
             str(model), "--steps", str(steps), "--seed", str(seed), "--work-dir", str(work),
-            "--result", str(result)]
+            "--result", str(result), *[f"--oolong-set={o}" for o in overrides]]
     subprocess.run(argv, check=True, cwd=ROOT)
     return json.loads(result.read_text())
 
@@ -187,6 +189,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="bench-results/vs_trl.json")
     parser.add_argument("--work-dir", default=None)
+    parser.add_argument("--oolong-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a run-spec override for both Oolong sides (repeatable)")
     # internal: one system in its own process
     parser.add_argument("--side", choices=list(SYSTEMS), help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
@@ -202,7 +206,7 @@ def main() -> int:
             out = run_trl(args.workload, Path(args.model), steps, args.seed, work)
         else:
             out = run_oolong(args.workload, SYSTEMS[args.side], Path(args.model), steps,
-                             args.seed, work)
+                             args.seed, work, args.oolong_set)
         Path(args.result).write_text(json.dumps(out))
         return 0
 
@@ -215,7 +219,8 @@ def main() -> int:
         results: dict[str, Any] = {}
         for system in SYSTEMS:
             print(f"{workload}: {system}, {steps} steps ...", flush=True)
-            results[system] = _side(system, workload, model, steps, args.seed, wdir)
+            results[system] = _side(system, workload, model, steps, args.seed, wdir,
+                                    args.oolong_set)
             print(f"  {results[system]['step_s_median']:.3f} s/step, "
                   f"{results[system]['tokens_per_s']:.0f} tok/s, reward "
                   f"{results[system]['reward_first']:.3f} -> {results[system]['reward_last']:.3f}",
@@ -230,6 +235,7 @@ def main() -> int:
               f"{results['sync_vs_trl']:.2f}x, async/sync {results['async_vs_sync']:.2f}x",
               flush=True)
     report["config"] = {"steps": steps, "quick": args.quick, "seed": args.seed,
+                        "oolong_overrides": args.oolong_set,
                         "skip_first_steps": SKIP, "cores_each": CORES, "workloads": WORKLOADS}
     report["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(),
                          "python": platform.python_version()}
