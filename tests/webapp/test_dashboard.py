@@ -23,3 +23,30 @@ def test_forms_name_the_bad_field_and_refuse_yaml_aliases(alice):
     assert b"aliases" in resp.content and not Run.objects.exists()
     compare = client.get("/compare/", {"id_list": "1,abc"})
     assert compare.status_code == 200 and b"run ids are numbers" in compare.content
+
+
+def test_metric_values_are_shown_with_units_in_groups():
+    from webapp.dashboard.formatting import format_metric, grouped_metrics
+
+    assert format_metric("version", 80.0) == "80"
+    assert format_metric("tokens/consumed", 72000.0) == "72,000"
+    assert format_metric("time/step_s", 0.2314) == "231 ms"
+    assert format_metric("time/eval_s", 12.5) == "12.50 s"
+    assert format_metric("tokens_per_s", 3676.4) == "3,676/s"
+    assert format_metric("eval/accuracy", 0.935) == "93.5%"
+    assert format_metric("rollout/server_busy_frac", 0.5) == "50.0%"
+    assert format_metric("reward/mean", 0.123456) == "0.1235"
+    groups = grouped_metrics({"time/step_s": 0.2, "reward/mean": 0.5, "loss": 0.1,
+                              "eval/accuracy": 0.9, "zzz/custom": 1.0})
+    assert [g for g, _ in groups] == ["reward", "eval", "loss", "time", "zzz"]
+
+
+def test_run_page_shows_grouped_formatted_metrics(alice, client, run):
+    from webapp.tracking.services import metrics_ingest
+
+    metrics_ingest(run=run, points=[{"key": "version", "step": 3, "value": 80},
+                                    {"key": "time/step_s", "step": 3, "value": 0.25}])
+    client.force_login(alice)
+    page = client.get(f"/runs/{run.id}/").content.decode()
+    assert "<b>80</b>" in page and "<b>250 ms</b>" in page and "80.0000" not in page
+    assert "<summary>loss</summary>" in page and "<summary>time</summary>" in page

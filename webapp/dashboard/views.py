@@ -15,6 +15,7 @@ from django.views.decorators.http import require_POST
 from webapp.accounts.selectors import project_get_for_user, project_list
 from webapp.core.errors import ApplicationError
 from webapp.core.uploads import upload_check
+from webapp.dashboard.formatting import grouped_metrics
 from webapp.dashboard.forms import (
     DatasetUploadForm,
     RewardCreateForm,
@@ -82,7 +83,7 @@ def run_list_view(request: HttpRequest) -> HttpResponse:
 def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     run = run_get(user=request.user, run_id=run_id)
     return render(request, "dashboard/run_detail.html", {
-        "run": run, "latest": sorted(latest_metrics(run=run).items()),
+        "run": run, "metric_groups": grouped_metrics(latest_metrics(run=run)),
         "events": run_event_recent(run=run), "live": run.status not in Run.TERMINAL,
         "page_config": {"page": "run", "run_id": run.id, "charts": CHARTS,
                         "live": run.status not in Run.TERMINAL},
