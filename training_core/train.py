@@ -270,17 +270,18 @@ class RolloutProfile:
     trainer's ``time/*`` it shows which side is the bottleneck."""
 
     def __init__(self, urls: list[str]):
-        self.urls = urls
+        self.urls = list(urls)
         self.last: dict[str, tuple[float, dict[str, Any]]] = {}
 
     def sample(self) -> dict[str, float]:
         busy, batch, rate = [], [], []
-        for url in self.urls:
+        for url in list(self.urls):
             try:
                 info = httpx.get(f"{url}/server_info", timeout=2).json()
             except (httpx.HTTPError, ValueError):
                 continue
             if not all(k in info for k in ("busy_s", "tokens_generated", "steps")):
+                self.urls.remove(url)  # not an embedded server: never ask it again
                 continue
             now = time.perf_counter()
             if url in self.last:

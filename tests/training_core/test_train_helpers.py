@@ -1,0 +1,48 @@
+"""train.py's helpers that talk to servers: the rollout side of the per-step profile."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from training_core.train import RolloutProfile
+
+
+def _serve(payloads: list[dict]) -> tuple[ThreadingHTTPServer, list[int]]:
+    calls = [0]
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = json.dumps(payloads[min(calls[0], len(payloads) - 1)]).encode()
+            calls[0] += 1
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, calls
+
+
+def test_profile_reads_embedded_counters_and_stops_asking_other_servers():
+    embedded, _ = _serve([{"busy_s": 1.0, "tokens_generated": 100, "steps": 10},
+                          {"busy_s": 1.0 + 1e6, "tokens_generated": 400, "steps": 20}])
+    sglang, sglang_calls = _serve([{"version": "0.5.4", "#queue-req": 0}])  # no counters
+    try:
+        urls = [f"http://127.0.0.1:{s.server_port}" for s in (embedded, sglang)]
+        profile = RolloutProfile(urls)
+        assert profile.sample() == {}  # the baseline
+        out = profile.sample()
+        assert out["rollout/decode_batch_mean"] == 30  # 300 tokens over 10 decode steps
+        assert out["rollout/server_busy_frac"] == 1.0  # capped at 1
+        assert out["rollout/tokens_per_s_per_server"] > 0
+        assert sglang_calls[0] == 1 and profile.urls == urls[:1]  # asked once, then dropped
+    finally:
+        embedded.shutdown()
+        sglang.shutdown()
