@@ -50,3 +50,22 @@ def test_run_page_shows_grouped_formatted_metrics(alice, client, run):
     page = client.get(f"/runs/{run.id}/").content.decode()
     assert "<b>80</b>" in page and "<b>250 ms</b>" in page and "80.0000" not in page
     assert "<summary>loss</summary>" in page and "<summary>time</summary>" in page
+
+
+def test_run_page_header_shows_progress_eta_and_change_since_start(alice, client, run):
+    from webapp.tracking.services import metrics_ingest
+
+    # run.spec trainer.steps is 5 (the fixture); three steps done at 2 s a step.
+    metrics_ingest(run=run, points=[
+        {"key": "reward/mean", "step": 1, "value": 0.25},
+        {"key": "reward/mean", "step": 3, "value": 0.5},
+        {"key": "eval/accuracy", "step": 0, "value": 0.5},
+        {"key": "eval/accuracy", "step": 3, "value": 0.75},
+        {"key": "version", "step": 3, "value": 3},
+        {"key": "time/step_s", "step": 3, "value": 2.0}])
+    client.force_login(alice)
+    page = client.get(f"/runs/{run.id}/").content.decode()
+    header = page[page.index('id="glance"'):page.index('class="metric-groups"')]
+    assert "3 / 5 · ETA 4 s" in header
+    assert "<b>0.5</b> <small>+0.250 since start</small>" in header
+    assert "<b>75.0%</b> <small>+25.0 pts since start</small>" in header

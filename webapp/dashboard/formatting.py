@@ -33,3 +33,37 @@ def grouped_metrics(latest: dict[str, float]) -> list[tuple[str, list[tuple[str,
         groups.setdefault(metric_group(key), []).append((key, format_metric(key, latest[key])))
     order = {g: i for i, g in enumerate(GROUP_ORDER)}
     return sorted(groups.items(), key=lambda item: (order.get(item[0], len(order)), item[0]))
+
+
+GLANCE = [("reward/mean", "reward"), ("eval/accuracy", "eval accuracy"),
+          ("tokens_per_s", "tokens/s"), ("staleness/mean", "staleness mean"),
+          ("staleness/max", "staleness max"), ("time/weight_sync_pause_s", "weight-sync pause")]
+
+
+def glance_items(glance: dict) -> list[tuple[str, str, str | None]]:
+    """The run page header: [(label, value, change since the start or None), ...]."""
+    latest, first = glance["latest"], glance["first"]
+    items: list[tuple[str, str, str | None]] = []
+    if glance["step"] is not None and glance["total"]:
+        left = max(glance["total"] - glance["step"], 0)
+        step_s = latest.get("time/step_s")
+        eta = f" · ETA {_duration(left * step_s)}" if step_s and left else ""
+        items.append(("step", f"{glance['step']:,} / {glance['total']:,}{eta}", None))
+    for key, label in GLANCE:
+        if key not in latest:
+            continue
+        change = None
+        if key in first:
+            delta = latest[key] - first[key]
+            change = (f"{delta * 100:+.1f} pts" if key == "eval/accuracy" else f"{delta:+.3f}")
+        items.append((label, format_metric(key, latest[key]), change))
+    return items
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"

@@ -15,7 +15,7 @@ from django.views.decorators.http import require_POST
 from webapp.accounts.selectors import project_get_for_user, project_list
 from webapp.core.errors import ApplicationError
 from webapp.core.uploads import upload_check
-from webapp.dashboard.formatting import grouped_metrics
+from webapp.dashboard.formatting import glance_items, grouped_metrics
 from webapp.dashboard.forms import (
     DatasetUploadForm,
     RewardCreateForm,
@@ -45,6 +45,7 @@ from webapp.tracking.selectors import (
     checkpoint_list,
     latest_metrics,
     latest_metrics_for_runs,
+    run_glance,
     trajectory_steps,
 )
 
@@ -84,6 +85,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     run = run_get(user=request.user, run_id=run_id)
     return render(request, "dashboard/run_detail.html", {
         "run": run, "metric_groups": grouped_metrics(latest_metrics(run=run)),
+        "glance": glance_items(run_glance(run=run)),
         "events": run_event_recent(run=run), "live": run.status not in Run.TERMINAL,
         "page_config": {"page": "run", "run_id": run.id, "charts": CHARTS,
                         "live": run.status not in Run.TERMINAL},
