@@ -162,9 +162,9 @@ def proximal_and_reference(trainer: DeepSpeedTrainer, tb: TrainBatch, algo: Algo
     a row the current version generated has proximal = behaviour logprobs and the others are
     recomputed (``staleness.rows_needing_proximal``). Under ZeRO-3 with several ranks a forward
     is a collective, so every rank recomputes all of its rows (the same number of forwards)."""
+    ref = trainer.logprobs(tb, trainer.reference) if trainer.reference is not None else None
     mode = spec.trainer.recompute_proximal if algo.decoupled else "never"
     if mode != "never" and spec.trainer.ppo_minibatches == 1:
-        ref = trainer.logprobs(tb, trainer.reference) if trainer.reference is not None else None
         return None, ref, 0
     if mode == "stale" and trainer.zero_stage == 3 and rank_and_world()[1] > 1:
         mode = "always"
@@ -175,7 +175,6 @@ def proximal_and_reference(trainer: DeepSpeedTrainer, tb: TrainBatch, algo: Algo
     elif rows:
         sub = tb.select(rows)
         prox[torch.tensor(rows), : sub.input_ids.shape[1]] = trainer.logprobs(sub)
-    ref = trainer.logprobs(tb, trainer.reference) if trainer.reference is not None else None
     return prox, ref, len(rows)
 
 
@@ -308,8 +307,9 @@ def collective_update(trainer: DeepSpeedTrainer, tb: TrainBatch, algo: Algorithm
                       threads: ThreadShare | None = None) -> dict[str, float]:
     """Steps 3-5 of the loop: the part every rank runs, in this order, because each call holds
     collectives (gradient all-reduce, ZeRO gathers for the export)."""
-    # 3. Proximal logprobs: the policy right before this update, by a trainer forward, for the
-    #    rows an older version generated (a row the current version generated has them already).
+    # 3. Proximal logprobs: the policy right before this update. With one minibatch the update's
+    #    own forward gives them (None here); with more, a trainer forward for the rows an older
+    #    version generated (a row the current version generated has them already).
     if threads is not None:
         threads.update()
     with timers("proximal_logp"):

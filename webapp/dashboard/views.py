@@ -83,12 +83,13 @@ def run_list_view(request: HttpRequest) -> HttpResponse:
 @login_required
 def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     run = run_get(user=request.user, run_id=run_id)
+    latest = latest_metrics(run=run)
+    live = run.status not in Run.TERMINAL
     return render(request, "dashboard/run_detail.html", {
-        "run": run, "metric_groups": grouped_metrics(latest_metrics(run=run)),
-        "glance": glance_items(run_glance(run=run)),
-        "events": run_event_recent(run=run), "live": run.status not in Run.TERMINAL,
-        "page_config": {"page": "run", "run_id": run.id, "charts": CHARTS,
-                        "live": run.status not in Run.TERMINAL},
+        "run": run, "metric_groups": grouped_metrics(latest),
+        "glance": glance_items(run_glance(run=run, latest=latest)),
+        "events": run_event_recent(run=run), "live": live,
+        "page_config": {"page": "run", "run_id": run.id, "charts": CHARTS, "live": live},
         "steps": trajectory_steps(run=run),
         "checkpoints": checkpoint_list(run=run),
         "spec_json": json.dumps(run.spec, indent=2)})

@@ -100,9 +100,7 @@ def _parquet_rows(data: bytes, limits: ParseLimits, result: ValidationResult) ->
     rows = []
     for i, row in enumerate(table.to_pylist(), 1):
         # Rows are stored as JSON: a timestamp or bytes column is a field error, not a crash.
-        try:
-            json.dumps(row)
-        except (TypeError, ValueError):
+        if not _json_ok(row):
             bad = next(k for k, v in row.items() if not _json_ok(v))
             result.error(i, bad, f"has a value of type {type(row[bad]).__name__}, which is not "
                                  "text, a number or a list/object of those")

@@ -22,6 +22,7 @@ from webapp.tracking.selectors import (
     latest_metrics,
     latest_metrics_for_runs,
     metric_series_get,
+    run_last_step,
     trajectory_list,
 )
 from webapp.tracking.services import checkpoint_record, metrics_ingest, trajectories_ingest
@@ -187,10 +188,9 @@ class RunInfoIngestApi(IngestApi):
     def get(self, request):
         run = self.run
         # The last trained step the tracker has: the flow's heartbeat for trainers on other nodes.
-        last = run.latest_metrics.filter(key="version").values_list("step", flat=True).first()
         return Response({"id": run.id, "name": run.name, "status": run.status,
                          "cancel_requested": run.cancel_requested, "spec": run.spec,
-                         "attempt": run.attempt, "last_step": last,
+                         "attempt": run.attempt, "last_step": run_last_step(run=run),
                          "reward": {"fn": run.reward_version.fn_path,
                                     "source": run.reward_version.source}})
 

@@ -16,16 +16,15 @@ def latest_metrics(*, run: Run) -> dict[str, float]:
     return dict(LatestMetric.objects.filter(run=run).values_list("key", "value"))
 
 
-GLANCE_KEYS = ["reward/mean", "eval/accuracy", "tokens_per_s", "staleness/mean", "staleness/max",
-               "time/weight_sync_pause_s", "time/step_s"]
+def run_last_step(*, run: Run) -> int | None:
+    """The last step the trainer reported (the step of its ``version`` metric)."""
+    return LatestMetric.objects.filter(run=run, key="version").values_list("step", flat=True).first()
 
 
-def run_glance(*, run: Run) -> dict[str, Any]:
-    """What the run page's header shows: progress, the latest of a few metrics and, for reward
-    and eval accuracy, their first value (the change since the start)."""
-    latest = dict(LatestMetric.objects.filter(run=run, key__in=GLANCE_KEYS)
-                  .values_list("key", "value"))
-    step = LatestMetric.objects.filter(run=run, key="version").values_list("step", flat=True).first()
+def run_glance(*, run: Run, latest: dict[str, float]) -> dict[str, Any]:
+    """What the run page's header shows: progress, the run's latest metrics (``latest``, from
+    :func:`latest_metrics`) and, for reward and eval accuracy, their first value (the change
+    since the start)."""
     first = {}
     for key in ("reward/mean", "eval/accuracy"):
         value = (MetricPoint.objects.filter(run=run, key=key).order_by("step")
@@ -33,7 +32,7 @@ def run_glance(*, run: Run) -> dict[str, Any]:
         if value is not None:
             first[key] = value
     total = (run.spec or {}).get("trainer", {}).get("steps")
-    return {"step": step, "total": total, "latest": latest, "first": first}
+    return {"step": run_last_step(run=run), "total": total, "latest": latest, "first": first}
 
 
 def latest_metrics_for_runs(*, runs: list[Run], keys: list[str]) -> dict[int, dict[str, float]]:
