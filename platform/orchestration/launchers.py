@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +35,31 @@ def server_command(spec: RunSpec, model_dir: str, port: int, index: int, *,
     return embedded_server_command(model_dir, port, threads=spec.rollout.server_threads,
                                    max_batch_size=spec.rollout.max_batch_size,
                                    seed=spec.seed + index, parent_pid=parent_pid, **where)
+
+
+def warm_start(spec: RunSpec, spec_path: Path, run_dir: Path,
+               run_id: int | None = None) -> Path | None:
+    """The spec's supervised warm start (``oolong sft``) into ``run_dir/initial_model``, where
+    the run's processes start from (``run_model_dir``); None when the spec has none. Bounded by
+    ``model.warm_start_seconds`` and, when set, ``model.warm_start_steps``. Written to a
+    temporary folder first: a warm start that dies half way never looks finished."""
+    out = run_dir / "initial_model"
+    if (out / "config.json").exists():
+        return out
+    if spec.model.warm_start_seconds <= 0:
+        return None
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / ".initial_model.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    steps = spec.model.warm_start_steps or 1_000_000
+    with (run_dir / "logs" / "warm-start.log").open("w") as log:
+        subprocess.run([sys.executable, "-m", "training_core.cli", "sft", "--no-progress",
+                        "--config", str(spec_path), "--out", str(tmp), "--steps", str(steps),
+                        "--seconds", str(spec.model.warm_start_seconds)],
+                       check=True, env=run_env(run_dir, run_id), stdout=log,
+                       stderr=subprocess.STDOUT)
+    tmp.rename(out)
+    return out
 
 
 def train_args(spec_path: Path, server_urls: list[str], run_dir: Path, *,

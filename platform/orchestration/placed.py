@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from uuid import UUID
 
@@ -79,6 +80,7 @@ class PlacedRun:
     pool: str
     servers: list[PlacedProcess] = field(default_factory=list)
     trainers: list[PlacedProcess] = field(default_factory=list)
+    jobs: list[PlacedProcess] = field(default_factory=list)  # run to completion first (warm start)
     urls: list[str] = field(default_factory=list)
 
     def _variables(self) -> list[str]:
@@ -92,6 +94,24 @@ class PlacedRun:
                         "ingest_token": self.ingest_token, **parameters},
             flow_run_name=f"run-{self.run_id}-{what.replace(' ', '-')}")
         return PlacedProcess(f"{what} on {node_queue(node)}", node, run.id)
+
+    def warm_start(self, cancelled: Callable[[], bool], *, poll_s: float = 2.0) -> bool:
+        """The spec's warm start on the first trainer node; every node fetches the model from
+        the durable store. False when the run was cancelled meanwhile; raises when it failed."""
+        node = self.placement.trainer_nodes[0]
+        job = self._place(f"warm-start/{self.pool}", node, "warm start")
+        self.jobs.append(job)
+        # Its own time plus the node's start-up, dataset download and the model upload.
+        deadline = time.monotonic() + self.spec.model.warm_start_seconds + 600.0
+        while (state := self._state(job))[0] != "COMPLETED":
+            if state[0] in TERMINAL:
+                raise RuntimeError(f"{job.what} ended: {state[0]} {state[1]}".strip())
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{job.what} did not finish in time")
+            if cancelled():
+                return False
+            time.sleep(poll_s)
+        return True
 
     def start_servers(self, timeout_s: float = 600.0) -> list[str]:
         for name in self._variables():  # a previous attempt's announcements mean nothing now
@@ -177,7 +197,8 @@ class PlacedRun:
     def stop(self, timeout_s: float = 30.0) -> list[str]:
         """Cancel every placed flow run (each node's worker stops its process); returns what
         did not reach a final state in time."""
-        pending = [p for p in self.trainers + self.servers if self.state(p) not in TERMINAL]
+        pending = [p for p in self.jobs + self.trainers + self.servers
+                   if self.state(p) not in TERMINAL]
         with get_client(sync_client=True) as client:
             for p in pending:
                 client.set_flow_run_state(p.flow_run_id, Cancelling(), force=True)

@@ -27,3 +27,36 @@ def test_resume_uses_the_run_directory(tmp_path):
     cmd = trainer_command(tmp_path / "spec.yaml", ["http://a:1"], NodeInventory([Node("x")]), tmp_path,
                           resume=True)
     assert cmd[cmd.index("--resume") + 1] == str(tmp_path)
+
+
+def test_a_step_bounded_warm_start_is_reproducible_and_made_once(tmp_path):
+    """model.warm_start_steps bounds the warm start by steps, not by how busy the machine is:
+    two warm starts of the same spec give the same weights; a finished one is not made again."""
+    from safetensors.torch import load_file
+
+    from orchestration.launchers import warm_start
+    from training_core.config import dump_spec, spec_from_dict
+
+    spec = spec_from_dict({"model": {"warm_start_seconds": 600, "warm_start_steps": 3},
+                           "data": {"size": 200}})
+    weights = []
+    for name in ("a", "b"):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        dump_spec(spec, run_dir / "spec.yaml")
+        out = warm_start(spec, run_dir / "spec.yaml", run_dir)
+        assert out == run_dir / "initial_model" and (out / "config.json").exists()
+        assert not (run_dir / ".initial_model.partial").exists()
+        weights.append(load_file(str(out / "model.safetensors")))
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch_equal(weights[0][k], weights[1][k]) for k in weights[0])
+    stamp = (tmp_path / "a" / "initial_model" / "model.safetensors").stat().st_mtime_ns
+    warm_start(spec, tmp_path / "a" / "spec.yaml", tmp_path / "a")
+    assert (tmp_path / "a" / "initial_model" / "model.safetensors").stat().st_mtime_ns == stamp
+    assert warm_start(spec_from_dict({}), tmp_path / "a" / "spec.yaml", tmp_path / "none") is None
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)

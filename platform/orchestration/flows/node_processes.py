@@ -4,9 +4,12 @@
   ``training-run`` flow through a Prefect variable once healthy.
 - ``trainer``: this node's trainer launcher (``torch.distributed.run``, one per node; rank 0 on
   the first trainer node owns the rollout side).
+- ``warm-start``: the spec's supervised warm start, on the first trainer node, before anything
+  else starts; the model goes to the durable store, and every node fetches it from there.
 
 Each node prepares its own run directory from the web app over HTTP with the run's token (spec,
-data, reward code): nothing is shared between nodes but the network. A flow returns when its
+data, reward code) and the durable store (the warm-started model): nothing is shared between
+nodes but the network. A flow returns when its
 process exits (a failure raises, naming the node); cancelling the flow run makes the worker stop
 this flow, which stops its process group first.
 """
@@ -17,12 +20,15 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.variables import Variable
 
-from orchestration.launchers import run_env, server_command, train_args
+from orchestration.launchers import run_env, server_command, train_args, warm_start
 from orchestration.trigger import flow_run_dir
+from training_core.checkpoint_store import STORE_ENV, CheckpointStore
+from training_core.config import RunSpec
 from training_core.launch import free_port, server_process
 from training_core.models.loading import run_model_dir
 from training_core.processes import ManagedProcess
@@ -53,6 +59,29 @@ def wait_variable(name: str, timeout_s: float) -> str:
     return str(value)
 
 
+def _store(run_dir: Path) -> CheckpointStore:
+    store = CheckpointStore.from_env(run_dir)
+    if store is None:
+        raise RuntimeError(f"model.warm_start_seconds across nodes needs the durable store: set "
+                           f"{STORE_ENV} on every node (a folder or an fsspec URL all of them "
+                           "reach), or warm-start the model beforehand")
+    return store
+
+
+def prepare_node_run(tracker_url: str, ingest_token: str, run_dir: Path) -> tuple[RunSpec, Path]:
+    """This node's run directory: spec, data and reward code from the web app, and the
+    warm-started model from the durable store when the spec has a warm start."""
+    spec, spec_path = prepare_remote_run(tracker_url, ingest_token, run_dir)
+    initial = run_dir / "initial_model"
+    if spec.model.warm_start_seconds > 0 and not (initial / "config.json").exists():
+        store = _store(run_dir)
+        if not store.has_initial_model():
+            raise RuntimeError(f"no warm-started model in the store ({store.url}) on "
+                               f"{node_address()}: the warm-start flow run did not finish")
+        store.download_initial_model(initial)
+    return spec, spec_path
+
+
 def _run_until_exit(proc: ManagedProcess, what: str) -> None:
     """Hold the flow while ``proc`` runs; SIGTERM (the worker cancelling this flow run) stops
     the process group first."""
@@ -77,7 +106,7 @@ def rollout_server(run_id: int, tracker_url: str, ingest_token: str, index: int,
                    health_timeout_s: float = 300.0) -> None:
     logger = get_run_logger()
     run_dir = flow_run_dir(run_id)
-    spec, _ = prepare_remote_run(tracker_url, ingest_token, run_dir)
+    spec, _ = prepare_node_run(tracker_url, ingest_token, run_dir)
     host, port = node_address(), free_port()
     url = f"http://{host}:{port}"
     cmd = server_command(spec, str(run_model_dir(spec, run_dir)), port, index, host=host,
@@ -96,7 +125,7 @@ def trainer_node(run_id: int, tracker_url: str, ingest_token: str, node_rank: in
                  server_urls: list[str], resume: bool = False,
                  rendezvous_timeout_s: float = 300.0) -> None:
     run_dir = flow_run_dir(run_id)
-    _, spec_path = prepare_remote_run(tracker_url, ingest_token, run_dir)
+    _, spec_path = prepare_node_run(tracker_url, ingest_token, run_dir)
     if node_rank == 0:  # the first trainer node hosts the rendezvous on a port free here
         master_address, master_port = node_address(), free_port()
         Variable.set(master_variable(run_id), f"{master_address}:{master_port}", overwrite=True)
@@ -112,3 +141,19 @@ def trainer_node(run_id: int, tracker_url: str, ingest_token: str, node_rank: in
     proc = ManagedProcess(f"trainer node {node_rank}", cmd, run_dir / "logs" / "trainer.log",
                           env=run_env(run_dir, run_id)).start()
     _run_until_exit(proc, f"trainer node {node_rank}")
+
+
+@flow(name="warm-start")
+def warm_start_node(run_id: int, tracker_url: str, ingest_token: str) -> None:
+    """The warm start of a placed run, made once and kept in the durable store (a resumed run,
+    on these nodes or fresh ones, finds it there and does not make it again)."""
+    logger = get_run_logger()
+    run_dir = flow_run_dir(run_id)
+    spec, spec_path = prepare_remote_run(tracker_url, ingest_token, run_dir)
+    store = _store(run_dir)
+    if store.has_initial_model():
+        logger.info("the warm-started model is already in the store")
+        return
+    out = warm_start(spec, spec_path, run_dir, run_id)
+    store.upload_initial_model(out)
+    logger.info("warm-started model on %s uploaded to %s", node_address(), store.url)

@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from orchestration import launchers
 from orchestration.deployments import deploy_node_flows
 from orchestration.launchers import run_env, server_command, trainer_command
 from orchestration.placed import PlacedRun, node_pool, plan
@@ -59,16 +58,7 @@ def prepare_run(tracker_url: str, token: str, run_dir: Path) -> tuple[RunSpec, P
 
 @task(name="warm-start", cache_policy=NO_CACHE)  # side effects: never cached
 def warm_start(spec: RunSpec, spec_path: Path, run_dir: Path) -> Path | None:
-    out = run_dir / "initial_model"
-    if spec.model.warm_start_seconds <= 0 or (out / "config.json").exists():
-        return out if (out / "config.json").exists() else None
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    log = run_dir / "logs" / "warm-start.log"
-    subprocess.run([sys.executable, "-m", "training_core.cli", "sft", "--no-progress", "--config",
-                    str(spec_path), "--out", str(out), "--steps", "1000000", "--seconds",
-                    str(spec.model.warm_start_seconds)], check=True, env=run_env(run_dir),
-                   stdout=log.open("w"), stderr=subprocess.STDOUT)
-    return out
+    return launchers.warm_start(spec, spec_path, run_dir)
 
 
 @task(name="start-rollout-fleet", cache_policy=NO_CACHE)  # side effects: never cached
@@ -127,12 +117,16 @@ def load_current_weights(run_dir: Path, url: str) -> None:
 def run_placed(placed: PlacedRun, tracker: Tracker, *, resume: bool = False) -> Outcome:
     """The run across nodes: servers on theirs, then one trainer launcher per trainer node."""
     spec = placed.spec
-    if spec.model.warm_start_seconds > 0:
-        raise ValueError("model.warm_start_seconds: a warm start across nodes is not supported "
-                         "yet; set it to 0 or warm-start the model beforehand")
     if spec.rollout.server_urls:
         raise ValueError("rollout.server_urls: a placed run starts its own servers")
     deploy_node_flows(placed.pool)
+    if spec.model.warm_start_seconds > 0:
+        node = node_queue(placed.placement.trainer_nodes[0])
+        tracker.event("warm_start", f"supervised warm start for at most "
+                                    f"{spec.model.warm_start_seconds:.0f}s on {node}; every node "
+                                    "fetches the model from the durable store")
+        if not placed.warm_start(lambda: bool(tracker.run_info().get("cancel_requested"))):
+            return Outcome("cancelled", "cancelled by user")
     for i, node in enumerate(placed.placement.server_nodes):
         tracker.event("placement", f"rollout server {i} on {node_queue(node)}")
     urls = placed.start_servers()
