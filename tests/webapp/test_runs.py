@@ -76,7 +76,8 @@ def test_config_diff_puts_differences_first(project, alice, dataset_version, rew
                    reward_version=reward_version, spec={"trainer": {"lr": 0.002}})
     diff = run_config_diff(runs=[a, b])
     differing = [r["key"] for r in diff if r["differs"]]
-    assert set(differing) == {"name", "trainer.lr"}
+    assert set(differing) == {"trainer.lr"}  # the names differ too, but a name is a label
+    assert "name" not in {r["key"] for r in diff}
     assert diff[0]["differs"] and not diff[-1]["differs"]
 
 

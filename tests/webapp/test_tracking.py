@@ -82,6 +82,10 @@ def test_compare_api(api, project, alice, dataset_version, reward_version, run):
     metrics_ingest(run=run, points=_points(range(5)))
     metrics_ingest(run=other, points=_points(range(5), f=lambda s: 1.0))
     body = api.get(f"/api/runs/compare/?ids={run.id},{other.id}&keys=reward/mean").json()
-    assert {r["key"] for r in body["config_diff"] if r["differs"]} == {"name", "trainer.steps"}
+    # The names differ too, but a name is a label, not configuration.
+    assert {r["key"] for r in body["config_diff"] if r["differs"]} == {"trainer.steps"}
     assert body["latest"][str(other.id)]["reward/mean"] == 1.0
-    assert api.get(f"/api/runs/compare/?ids={run.id}").status_code == 400
+    # One run alone: its curves and its summary row (a run against nothing, or its sweep).
+    alone = api.get(f"/api/runs/compare/?ids={run.id}")
+    assert alone.status_code == 200 and [r["run_id"] for r in alone.json()["summary"]["rows"]] == [run.id]
+    assert api.get("/api/runs/compare/?ids=").status_code == 400

@@ -6,6 +6,7 @@ from webapp.api.views import combine
 from webapp.datasets import apis as datasets
 from webapp.rewards import apis as rewards
 from webapp.runs import apis as runs
+from webapp.sweeps import apis as sweeps
 from webapp.tracking import apis as tracking
 
 urlpatterns = [
@@ -21,10 +22,16 @@ urlpatterns = [
     path("rewards/<id:reward_id>/", rewards.RewardDetailApi.as_view()),
     path("runs/", combine("RunsApi", runs.RunCreateApi, runs.RunListApi).as_view()),
     path("runs/compare/", tracking.RunCompareApi.as_view()),
+    path("runs/spec-schema/", runs.RunSpecSchemaApi.as_view()),
+    path("runs/spec-check/", runs.RunSpecCheckApi.as_view()),
     path("runs/<id:run_id>/", tracking.RunDetailApi.as_view()),
     path("runs/<id:run_id>/cancel/", runs.RunCancelApi.as_view()),
     path("runs/<id:run_id>/resume/", runs.RunResumeApi.as_view()),
     path("runs/<id:run_id>/events/", runs.RunEventsApi.as_view()),
+    path("runs/<id:run_id>/sweep/", sweeps.SweepFromRunCreateApi.as_view()),
+    path("sweeps/", combine("SweepsApi", sweeps.SweepCreateApi, sweeps.SweepListApi).as_view()),
+    path("sweeps/<id:sweep_id>/", sweeps.SweepDetailApi.as_view()),
+    path("sweeps/<id:sweep_id>/compare/", sweeps.SweepCompareApi.as_view()),
     path("runs/<id:run_id>/metrics/", tracking.RunMetricsApi.as_view()),
     path("runs/<id:run_id>/trajectories/", tracking.RunTrajectoriesApi.as_view()),
     path("ingest/run/", tracking.RunInfoIngestApi.as_view()),

@@ -5,35 +5,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import yaml
 from django import forms
 
+from webapp.core.errors import ApplicationError
+from webapp.core.spec_yaml import spec_from_yaml
 from webapp.runs.models import Run
-
-MAX_SPEC_CHARS = 100_000
-
-
-class _NoAliasLoader(yaml.SafeLoader):
-    """YAML without anchors and aliases: a run spec never needs them, and nested aliases expand
-    exponentially (the 'billion laughs')."""
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            raise yaml.YAMLError("YAML aliases (*name) are not allowed in a run spec")
-        return super().compose_node(parent, index)
 
 
 def parse_spec_yaml(text: str) -> dict[str, Any]:
     """A run spec typed as YAML: a mapping, no aliases. Raises ``forms.ValidationError``."""
-    if len(text) > MAX_SPEC_CHARS:
-        raise forms.ValidationError(f"the spec is longer than {MAX_SPEC_CHARS} characters")
     try:
-        data = yaml.load(text or "{}", Loader=_NoAliasLoader) or {}  # noqa: S506 - safe loader
-    except yaml.YAMLError as exc:
-        raise forms.ValidationError(f"not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise forms.ValidationError("the spec must be a mapping of sections (trainer:, rollout:, ...)")
-    return data
+        return spec_from_yaml(text)
+    except ApplicationError as exc:
+        raise forms.ValidationError(exc.message) from None
 
 
 class RunListFilterForm(forms.Form):

@@ -7,13 +7,19 @@ from rest_framework.views import APIView
 
 from webapp.core.fields import BoundedText
 from webapp.core.params import choice_param, int_param
-from webapp.core.schema import PROJECT_FILTER, errors, int_query, str_query
+from webapp.core.schema import PROJECT_FILTER, ErrorItem, errors, int_query, str_query
 from webapp.accounts.selectors import project_get_for_user
 from webapp.datasets.selectors import dataset_version_get
 from webapp.rewards.selectors import reward_version_get
 from webapp.runs.models import Run
-from webapp.runs.selectors import run_event_list, run_get, run_list
-from webapp.runs.services import run_cancel, run_create, run_resume, run_token_issue
+from webapp.runs.selectors import run_event_list, run_get, run_list, run_spec_fields
+from webapp.runs.services import (
+    run_cancel,
+    run_create,
+    run_resume,
+    run_spec_check,
+    run_token_issue,
+)
 
 
 class RunOutput(serializers.Serializer):
@@ -129,3 +135,72 @@ class RunEventsApi(APIView):
         events = run_event_list(run=run, after=int_param(request, "after") or 0)
         return Response([{"id": e.id, "time": e.time, "kind": e.kind, "message": e.message,
                           "data": e.data} for e in events])
+
+
+class SpecFieldOutput(serializers.Serializer):
+    path = serializers.CharField(help_text="dotted key, e.g. rollout.max_staleness")
+    section = serializers.CharField()
+    section_title = serializers.CharField()
+    name = serializers.CharField()
+    label = serializers.CharField()
+    kind = serializers.ChoiceField(choices=["integer", "number", "boolean", "string", "choice",
+                                            "list", "mapping"])
+    default = serializers.JSONField(allow_null=True)
+    nullable = serializers.BooleanField(help_text="may be left empty (null)")
+    description = serializers.CharField(allow_blank=True)
+    choices = serializers.ListField(child=serializers.JSONField(), required=False)
+    item_kind = serializers.CharField(required=False, help_text="list fields: the items' kind")
+    minimum = serializers.FloatField(required=False)
+    maximum = serializers.FloatField(required=False)
+    exclusiveMinimum = serializers.FloatField(required=False)  # noqa: N815 - JSON schema's name
+    exclusiveMaximum = serializers.FloatField(required=False)  # noqa: N815 - JSON schema's name
+    pattern = serializers.CharField(required=False)
+    common = serializers.BooleanField(help_text="shown up front in the run form")
+    admin = serializers.BooleanField(help_text="administrators only (others do not get it)")
+    sweepable = serializers.BooleanField(help_text="a sweep may vary it")
+
+
+class RunSpecSchemaApi(APIView):
+    """The run spec's fields as the run form shows them to this user, and its JSON schema."""
+
+    class Output(serializers.Serializer):
+        fields = SpecFieldOutput(many=True)
+        json_schema = serializers.JSONField(help_text="RunSpec's JSON schema (pydantic)")
+
+    @extend_schema(operation_id="runs_spec_schema", responses={200: Output, **errors(401)})
+    def get(self, request):
+        from training_core.spec_fields import spec_json_schema
+
+        return Response({"fields": run_spec_fields(user=request.user),
+                         "json_schema": spec_json_schema()})
+
+
+class RunSpecCheckApi(APIView):
+    """Check a spec as the run form does while the user types: per-field errors, with the same
+    messages as creating a run, and the spec as YAML (or the YAML as a mapping). Creates
+    nothing. A spec with errors is a 200 with ``valid: false``: the verdict is the answer."""
+
+    class InputSerializer(serializers.Serializer):
+        spec = serializers.DictField(required=False, help_text="a mapping of sections")
+        yaml = serializers.CharField(required=False, allow_blank=True, trim_whitespace=False,
+                                     max_length=100_000, help_text="or the spec as YAML text")
+
+        def validate(self, attrs):
+            if ("spec" in attrs) == ("yaml" in attrs):
+                raise ValidationError({"spec": "give either spec (a mapping) or yaml (text)"})
+            return attrs
+
+    class Output(serializers.Serializer):
+        valid = serializers.BooleanField()
+        errors = ErrorItem(many=True)
+        spec = serializers.DictField(allow_null=True, help_text="the mapping (null: YAML error)")
+        yaml = serializers.CharField(allow_blank=True)
+        resolved = serializers.DictField(allow_null=True, help_text="the full spec when valid")
+
+    @extend_schema(operation_id="runs_spec_check", request=InputSerializer,
+                   responses={200: Output, **errors(400, 401)})
+    def post(self, request):
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        return Response(run_spec_check(user=request.user, spec=v.get("spec"), text=v.get("yaml")))

@@ -41,6 +41,11 @@ class Run(models.Model):
     # 1 for the first submission; each resume of a failed or cancelled run adds one.
     attempt = models.PositiveIntegerField(default=1)
     orchestrator_ref = models.CharField(max_length=100, blank=True, help_text="Prefect flow run id")
+    # A run of a sweep (webapp.sweeps) and its values of the sweep's axes.
+    sweep = models.ForeignKey("sweeps.Sweep", null=True, blank=True, on_delete=models.SET_NULL,
+                              related_name="runs")
+    sweep_values = models.JSONField(default=dict, blank=True,
+                                    help_text='{"rollout.max_staleness": 0}')
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     started_at = models.DateTimeField(null=True, blank=True)

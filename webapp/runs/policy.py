@@ -12,6 +12,16 @@ from typing import Any
 from webapp.core.errors import ApplicationError
 
 REGISTERED_MODELS = ("tiny", "smollm2")  # training_core.models.loading builds these locally
+# Fields only an administrator may change from their default.
+ADMIN_FIELDS = ("orchestration.provider", "orchestration.terraform_vars", "rollout.server_urls",
+                "reward.remote_backend", "run_dir")
+
+
+def member_choices() -> dict[str, list[str]]:
+    """Fields a member may set, but only to what administrators registered."""
+    from training_core.workflows import WORKFLOWS
+
+    return {"model.path": list(REGISTERED_MODELS), "rollout.workflow": list(WORKFLOWS)}
 
 
 def _default(path: str) -> Any:
@@ -34,17 +44,8 @@ def _get(spec: dict[str, Any], path: str) -> Any:
 
 def infrastructure_fields(spec: dict[str, Any]) -> list[str]:
     """The dotted fields of a resolved spec that only an administrator may set."""
-    from training_core.workflows import WORKFLOWS
-
-    found = []
-    for path in ("orchestration.provider", "orchestration.terraform_vars", "rollout.server_urls",
-                 "reward.remote_backend", "run_dir"):
-        if _get(spec, path) != _default(path):
-            found.append(path)
-    if _get(spec, "model.path") not in REGISTERED_MODELS:
-        found.append("model.path")
-    if _get(spec, "rollout.workflow") not in WORKFLOWS:
-        found.append("rollout.workflow")
+    found = [path for path in ADMIN_FIELDS if _get(spec, path) != _default(path)]
+    found += [path for path, allowed in member_choices().items() if _get(spec, path) not in allowed]
     return found
 
 

@@ -61,9 +61,12 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+NOT_CONFIG = ("name",)  # a run's label: every run differs there, and it changes nothing
+
+
 def run_config_diff(*, runs: list[Run]) -> list[dict[str, Any]]:
     """Rows of (key, value per run, differs) over the flattened specs, differing keys first."""
-    flats = [_flatten(r.spec) for r in runs]
+    flats = [{k: v for k, v in _flatten(r.spec).items() if k not in NOT_CONFIG} for r in runs]
     keys = sorted(set().union(*flats)) if flats else []
     rows = []
     for key in keys:
@@ -71,3 +74,77 @@ def run_config_diff(*, runs: list[Run]) -> list[dict[str, Any]]:
         rows.append({"key": key, "values": values,
                      "differs": any(v != values[0] for v in values[1:])})
     return sorted(rows, key=lambda r: (not r["differs"], r["key"]))
+
+
+# ---- the run form: which spec fields a user sets, with what help ----------------------------
+
+# Set by the platform for a run of the web app: its name field, its dataset version, its reward
+# version and its tracker.
+PLATFORM_FIELDS = ("name", "data.source", "reward.fn", "metrics.")
+# Up front in the form, in this order: what practitioners change most.
+COMMON_FIELDS = {
+    "model.path": "model",
+    "model.warm_start_seconds": "warm start (s)",
+    "algorithm.preset": "algorithm preset",
+    "trainer.steps": "steps",
+    "trainer.batch_groups": "batch (prompt groups, B)",
+    "rollout.group_size": "group size",
+    "rollout.max_staleness": "max staleness η",
+    "rollout.max_new_tokens": "max new tokens",
+    "trainer.lr": "learning rate",
+}
+SECTION_TITLES = {
+    "run": "Run", "model": "Model", "data": "Data", "rollout": "Rollout and staleness",
+    "reward": "Reward", "algorithm": "Algorithm (empty: the preset's value)",
+    "trainer": "Trainer", "checkpoint": "Checkpoints", "eval": "Evaluation",
+    "orchestration": "Orchestration", "weight_sync": "Weight sync",
+}
+SWEEPABLE_KINDS = ("integer", "number", "boolean", "choice")
+
+
+def run_spec_overrides(*, run: Run) -> dict[str, Any]:
+    """What a user would write to get this run's configuration again: its resolved spec less the
+    defaults and the fields the platform sets (a clone's starting point)."""
+    from training_core.spec_fields import overrides_of
+
+    def keep(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out = {}
+        for key, value in tree.items():
+            path = f"{prefix}{key}"
+            if path.startswith(PLATFORM_FIELDS) or (path + ".").startswith(PLATFORM_FIELDS):
+                continue
+            out[key] = keep(value, path + ".") if isinstance(value, dict) and key != "options" \
+                else value
+        return {k: v for k, v in out.items() if v != {}}
+
+    return keep(overrides_of(run.spec))
+
+
+def run_spec_fields(*, user) -> list[dict[str, Any]]:
+    """The run spec's fields as the form shows them to ``user``: the schema's kind, default,
+    bounds and help (training_core.spec_fields), plus ``common``, ``label``, ``admin`` (only
+    administrators see those) and ``sweepable``. Members get a choice where only registered
+    values are allowed (model.path, rollout.workflow)."""
+    from training_core.spec_fields import spec_fields
+    from webapp.runs.policy import ADMIN_FIELDS, member_choices
+
+    staff = bool(getattr(user, "is_staff", False))
+    restricted = {} if staff else member_choices()
+    fields = []
+    for field in spec_fields():
+        path = field["path"]
+        if path.startswith(PLATFORM_FIELDS):
+            continue
+        admin = path in ADMIN_FIELDS or path.startswith(tuple(p + "." for p in ADMIN_FIELDS))
+        if admin and not staff:
+            continue
+        if path in restricted:
+            field.update(kind="choice", choices=restricted[path])
+        field.update(
+            common=path in COMMON_FIELDS, admin=admin,
+            label=COMMON_FIELDS.get(path, field["name"].replace("_", " ")),
+            section_title=SECTION_TITLES.get(field["section"], field["section"]),
+            sweepable=field["kind"] in SWEEPABLE_KINDS and not admin)
+        fields.append(field)
+    order = list(COMMON_FIELDS)
+    return sorted(fields, key=lambda f: order.index(f["path"]) if f["common"] else len(order))

@@ -32,9 +32,44 @@ def run_spec_validate(*, spec: dict[str, Any]) -> dict[str, Any]:
             errors=[{"field": f"spec.{k}", "message": v} for k, v in exc.errors.items()]) from None
 
 
+def run_spec_check(*, user, spec: dict[str, Any] | None = None,
+                   text: str | None = None) -> dict[str, Any]:
+    """What the run form asks as the user types: the spec (a mapping, or its YAML ``text``)
+    checked field by field with the same messages as ``run_create`` (SpecError's, and the
+    administrator-only fields), without creating anything. Returns ``{"valid", "errors",
+    "spec" (the mapping), "yaml" (its text), "resolved" (the full spec, or None)}``."""
+    from training_core.config import SpecError, spec_from_dict
+    from webapp.core.spec_yaml import spec_from_yaml, spec_to_yaml
+    from webapp.runs.policy import infrastructure_fields
+
+    errors: list[dict[str, Any]] = []
+    resolved = None
+    if text is not None:
+        try:
+            spec = spec_from_yaml(text)
+        except ApplicationError as exc:
+            return {"valid": False, "errors": exc.errors, "spec": None, "yaml": text,
+                    "resolved": None}
+    spec = dict(json_check(spec or {}, "spec"))
+    try:
+        resolved = spec_from_dict(spec).model_dump(mode="json")
+    except SpecError as exc:
+        errors = [{"field": f"spec.{k}", "message": v} for k, v in exc.errors.items()]
+    if resolved is not None and not getattr(user, "is_staff", False):
+        errors = [{"field": f"spec.{f}", "message": "administrators only: use the default or "
+                                                    "ask an administrator"}
+                  for f in infrastructure_fields(resolved)]
+    return {"valid": not errors, "errors": errors, "spec": spec,
+            "yaml": text if text is not None else spec_to_yaml(spec),
+            "resolved": resolved if not errors else None}
+
+
 @transaction.atomic
 def run_create(*, project: Project, user, name: str, dataset_version: DatasetVersion,
-               reward_version: RewardFunctionVersion, spec: dict[str, Any] | None = None) -> Run:
+               reward_version: RewardFunctionVersion, spec: dict[str, Any] | None = None,
+               sweep=None, sweep_values: dict[str, Any] | None = None) -> Run:
+    """Validate, check the administrator policy, store, and submit on commit. ``sweep``: the
+    sweep (webapp.sweeps) this run belongs to, with its values of the sweep's axes."""
     if dataset_version.dataset.project_id != project.id:
         raise ApplicationError("dataset version belongs to another project", field="dataset_version")
     if reward_version.reward_function.project_id != project.id:
@@ -54,7 +89,8 @@ def run_create(*, project: Project, user, name: str, dataset_version: DatasetVer
     check_spec_allowed(user=user, spec=resolved)
     resolved["reward"]["fn"] = reward_version.fn_path
     run = Run.objects.create(project=project, name=name, dataset_version=dataset_version,
-                             reward_version=reward_version, spec=resolved, created_by=user)
+                             reward_version=reward_version, spec=resolved, created_by=user,
+                             sweep=sweep, sweep_values=sweep_values or {})
     run_event_add(run=run, kind="created", message=f"run created by {user}")
     transaction.on_commit(lambda: enqueue("oolong.run_submit", run.id))
     return run

@@ -2,8 +2,15 @@
 token), and what a user reads of a run's tracking data (detail with latest metrics, series,
 trajectories, comparisons)."""
 
+import math
+
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_field
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_field,
+)
 from rest_framework import serializers
 from rest_framework.exceptions import PermissionDenied, ValidationError
 from rest_framework.response import Response
@@ -19,10 +26,12 @@ from webapp.runs.models import Run
 from webapp.runs.selectors import run_config_diff, run_get
 from webapp.runs.services import run_event_add, run_status_set
 from webapp.tracking.selectors import (
+    X_AXES,
     latest_metrics,
     latest_metrics_for_runs,
-    metric_series_get,
     run_last_step,
+    run_series,
+    run_summaries,
     trajectory_list,
 )
 from webapp.tracking.services import checkpoint_record, metrics_ingest, trajectories_ingest
@@ -238,17 +247,27 @@ def _buckets(request) -> int:
     return buckets
 
 
+def _x(request) -> str:
+    x = request.query_params.get("x", "step")
+    if x not in X_AXES:
+        raise ValidationError({"x": f"must be one of {', '.join(X_AXES)}"})
+    return x
+
+
 class SeriesOutput(serializers.Serializer):
     key = serializers.CharField()
     step = serializers.ListField(child=serializers.IntegerField())
     mean = serializers.ListField(child=serializers.FloatField())
     min = serializers.ListField(child=serializers.FloatField())
     max = serializers.ListField(child=serializers.FloatField())
+    x = serializers.ListField(child=serializers.FloatField(), help_text="each point's x value")
     downsampled = serializers.BooleanField()
 
 
 KEYS = str_query("keys", "comma-separated metric keys (at most 50)")
 BUCKETS = int_query("buckets", "points per series (default 500)", minimum=1, maximum=5000)
+X_AXIS = str_query("x", "x-axis: step (default), time (seconds since the run's first step) or "
+                        "tokens (consumed so far)", list(X_AXES))
 
 
 class RunMetricsApi(APIView):
@@ -258,14 +277,13 @@ class RunMetricsApi(APIView):
         run = serializers.IntegerField()
         series = SeriesOutput(many=True)
 
-    @extend_schema(operation_id="runs_metrics_retrieve", parameters=[KEYS, BUCKETS],
+    @extend_schema(operation_id="runs_metrics_retrieve", parameters=[KEYS, BUCKETS, X_AXIS],
                    responses={200: Output, **errors(400, 401, 404)})
     def get(self, request, run_id: int):
         run = run_get(user=request.user, run_id=run_id)
-        keys = _keys(request, ["reward/mean"])
-        buckets = _buckets(request)
-        return Response({"run": run.id, "series": [metric_series_get(run=run, key=k, buckets=buckets)
-                                                   for k in keys]})
+        series = run_series(run=run, keys=_keys(request, ["reward/mean"]),
+                            buckets=_buckets(request), x=_x(request))
+        return Response({"run": run.id, "series": series})
 
 
 class TrajectoryOutput(serializers.Serializer):
@@ -297,29 +315,74 @@ class DiffRowOutput(serializers.Serializer):
     differs = serializers.BooleanField()
 
 
-class RunCompareApi(APIView):
-    class Output(serializers.Serializer):
-        runs = RunOutput(many=True)
-        config_diff = DiffRowOutput(many=True)
-        latest = serializers.JSONField(help_text="run id -> metric key -> latest value")
-        series = serializers.JSONField(help_text="run id -> list of series as in /metrics/")
+class SummaryRowOutput(serializers.Serializer):
+    run_id = serializers.IntegerField()
+    name = serializers.CharField()
+    status = serializers.CharField()
+    steps = serializers.IntegerField(allow_null=True)
+    wall_s = serializers.FloatField(allow_null=True, help_text="first to last step")
+    final_reward = serializers.FloatField(allow_null=True, help_text="mean of the last 10 steps")
+    final_eval = serializers.FloatField(allow_null=True)
+    best_eval = serializers.FloatField(allow_null=True)
+    best_eval_step = serializers.IntegerField(allow_null=True)
+    tokens_per_s = serializers.FloatField(allow_null=True, help_text="mean over the run")
+    time_to_target_s = serializers.FloatField(allow_null=True, help_text="null: never reached")
+    step_to_target = serializers.IntegerField(allow_null=True)
 
+
+class SummaryOutput(serializers.Serializer):
+    target = serializers.FloatField(allow_null=True, help_text="the reward the times are to")
+    rows = SummaryRowOutput(many=True)
+
+
+class CompareOutput(serializers.Serializer):
+    runs = RunOutput(many=True)
+    config_diff = DiffRowOutput(many=True)
+    latest = serializers.JSONField(help_text="run id -> metric key -> latest value")
+    series = serializers.JSONField(help_text="run id -> list of series as in /metrics/")
+    summary = SummaryOutput()
+
+
+TARGET = OpenApiParameter("target", {"type": "number"}, OpenApiParameter.QUERY, required=False,
+                          description="reward to time (default: 90% of the best final reward)")
+
+
+def _target(request) -> float | None:
+    raw = request.query_params.get("target")
+    if raw in (None, ""):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValidationError({"target": "must be a number"}) from None
+    if not math.isfinite(value):
+        raise ValidationError({"target": "must be a finite number"})
+    return value
+
+
+def compare_response(request, runs: list[Run]) -> dict:
+    """The comparison of ``runs`` as /api/runs/compare/ answers it (the sweep compare too)."""
+    keys = _keys(request, ["reward/mean", "eval/accuracy"])
+    buckets, x, target = _buckets(request), _x(request), _target(request)
+    return {
+        "runs": RunOutput(runs, many=True).data,
+        "config_diff": run_config_diff(runs=runs),
+        "latest": latest_metrics_for_runs(runs=runs, keys=keys),
+        "series": {r.id: run_series(run=r, keys=keys, buckets=buckets, x=x) for r in runs},
+        "summary": run_summaries(runs=runs, target=target),
+    }
+
+
+class RunCompareApi(APIView):
     @extend_schema(operation_id="runs_compare", parameters=[
-        str_query("ids", "comma-separated run ids, 2-20"), KEYS, BUCKETS],
-        responses={200: Output, **errors(400, 401, 404)})
+        str_query("ids", "comma-separated run ids, 1-20"), KEYS, BUCKETS, X_AXIS, TARGET],
+        responses={200: CompareOutput, **errors(400, 401, 404)})
     def get(self, request):
         try:
             ids = [int(x) for x in list_param(request, "ids", max_items=20, max_length=18) or []]
         except ValueError:
             raise ValidationError({"ids": "comma-separated run ids"}) from None
-        if len(ids) < 2:
-            raise ValidationError({"ids": "give at least two run ids"})
-        runs = [run_get(user=request.user, run_id=i) for i in ids]
-        keys = _keys(request, ["reward/mean", "eval/accuracy"])
-        return Response({
-            "runs": RunOutput(runs, many=True).data,
-            "config_diff": run_config_diff(runs=runs),
-            "latest": latest_metrics_for_runs(runs=runs, keys=keys),
-            "series": {r.id: [metric_series_get(run=r, key=k, buckets=_buckets(request)) for k in keys]
-                       for r in runs},
-        })
+        if not ids:
+            raise ValidationError({"ids": "give at least one run id"})
+        runs = [run_get(user=request.user, run_id=i) for i in dict.fromkeys(ids)]
+        return Response(compare_response(request, runs))

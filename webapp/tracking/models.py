@@ -16,6 +16,30 @@ class MetricPoint(models.Model):
         constraints = [models.UniqueConstraint(fields=["run", "key", "step"], name="metric_point_unique")]
 
 
+ROLLUP_STEPS = 32  # steps per MetricRollup block
+
+
+class MetricRollup(models.Model):
+    """One metric's aggregates over a block of ROLLUP_STEPS consecutive steps (block = step //
+    ROLLUP_STEPS), recomputed from MetricPoint by the ingest whenever a point of the block is new
+    or changed: a chart over a 100k-step run reads ~3k of these instead of 100k points."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="metric_rollups")
+    key = models.CharField(max_length=100)
+    block = models.BigIntegerField()
+    n = models.IntegerField()
+    total = models.FloatField()
+    low = models.FloatField()
+    high = models.FloatField()
+    first_step = models.BigIntegerField()
+    last_step = models.BigIntegerField()
+    wall_time = models.FloatField(help_text="the latest point's")
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["run", "key", "block"],
+                                               name="metric_rollup_unique")]
+
+
 class LatestMetric(models.Model):
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="latest_metrics")
     key = models.CharField(max_length=100)

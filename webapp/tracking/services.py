@@ -6,12 +6,19 @@ import math
 import time
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import connection, models, transaction
 
 from webapp.core.errors import ApplicationError
 from webapp.core.json_input import json_check
 from webapp.runs.models import Run
-from webapp.tracking.models import Checkpoint, LatestMetric, MetricPoint, TrajectorySample
+from webapp.tracking.models import (
+    ROLLUP_STEPS,
+    Checkpoint,
+    LatestMetric,
+    MetricPoint,
+    MetricRollup,
+    TrajectorySample,
+)
 
 MAX_POINTS_PER_BATCH = 50_000
 
@@ -65,16 +72,17 @@ def metrics_ingest(*, run: Run, points: list[dict[str, Any]]) -> int:
         return 0
     with transaction.atomic():
         if connection.vendor == "postgresql":
-            inserted = _ingest_postgres(run.id, rows)
+            changed = _ingest_postgres(run.id, rows)
         else:
-            inserted = _ingest_portable(run, rows)
+            changed = _ingest_portable(run, rows)
+        _rollups_recompute(run.id, changed)
         _latest_upsert(run, rows)
-    return inserted
+    return len(changed)
 
 
-def _ingest_postgres(run_id: int, rows: list[tuple[str, int, float, float]]) -> int:
+def _ingest_postgres(run_id: int, rows: list[tuple[str, int, float, float]]) -> list[tuple[str, int]]:
     # One statement with arrays: far faster than row-by-row ORM inserts, still idempotent (an
-    # identical point is not touched, so it is not counted either).
+    # identical point is not touched, so it is not returned either).
     keys, steps, values, times = (list(c) for c in zip(*rows, strict=True))
     table = MetricPoint._meta.db_table
     with connection.cursor() as cur:
@@ -83,12 +91,12 @@ def _ingest_postgres(run_id: int, rows: list[tuple[str, int, float, float]]) -> 
             "SELECT %s, k, s, v, t FROM unnest(%s::text[], %s::bigint[], %s::float8[], %s::float8[]) "
             "AS u(k, s, v, t) ON CONFLICT (run_id, key, step) DO UPDATE "
             "SET value = EXCLUDED.value, wall_time = EXCLUDED.wall_time "
-            "WHERE m.value IS DISTINCT FROM EXCLUDED.value",
+            "WHERE m.value IS DISTINCT FROM EXCLUDED.value RETURNING m.key, m.step",
             [run_id, keys, steps, values, times])
-        return cur.rowcount
+        return cur.fetchall()
 
 
-def _ingest_portable(run: Run, rows: list[tuple[str, int, float, float]]) -> int:
+def _ingest_portable(run: Run, rows: list[tuple[str, int, float, float]]) -> list[tuple[str, int]]:
     """The same rule on other databases (SQLite for the demo), a few more queries."""
     stored = dict(((k, s), v) for k, s, v in MetricPoint.objects.filter(
         run=run, key__in={r[0] for r in rows}, step__in={r[1] for r in rows}).values_list(
@@ -99,7 +107,47 @@ def _ingest_portable(run: Run, rows: list[tuple[str, int, float, float]]) -> int
          for (k, s), (v, t) in changed.items()],
         update_conflicts=True, unique_fields=["run", "key", "step"],
         update_fields=["value", "wall_time"], batch_size=2000)
-    return len(changed)
+    return list(changed)
+
+
+# Floor division of a step into its block, negative steps included (SQL division truncates).
+_BLOCK = (f"CASE WHEN step >= 0 THEN step / {ROLLUP_STEPS} "
+          f"ELSE (step + 1) / {ROLLUP_STEPS} - 1 END")
+
+
+def _rollups_recompute(run_id: int, changed: list[tuple[str, int]]) -> None:
+    """Recompute, from the points themselves, the rollup blocks that hold a new or changed point
+    (so a retried or replaced batch leaves them exact). Trainers send consecutive steps: one
+    statement per key over the range of blocks the batch touched."""
+    spans: dict[str, tuple[int, int]] = {}
+    for key, step in changed:
+        lo, hi = spans.get(key, (step, step))
+        spans[key] = (min(lo, step), max(hi, step))
+    points, rollups = MetricPoint._meta.db_table, MetricRollup._meta.db_table
+    sql = (f"INSERT INTO {rollups} (run_id, key, block, n, total, low, high, first_step, "
+           f"last_step, wall_time) SELECT run_id, key, {_BLOCK}, COUNT(*), SUM(value), MIN(value), "
+           f"MAX(value), MIN(step), MAX(step), MAX(wall_time) FROM {points} "
+           "WHERE run_id = %s AND key = %s AND step >= %s AND step <= %s "
+           f"GROUP BY run_id, key, {_BLOCK} ON CONFLICT (run_id, key, block) DO UPDATE SET "
+           "n = excluded.n, total = excluded.total, low = excluded.low, high = excluded.high, "
+           "first_step = excluded.first_step, last_step = excluded.last_step, "
+           "wall_time = excluded.wall_time")
+    with connection.cursor() as cur:
+        for key, (lo, hi) in spans.items():
+            first = lo // ROLLUP_STEPS * ROLLUP_STEPS
+            last = (hi // ROLLUP_STEPS + 1) * ROLLUP_STEPS - 1
+            cur.execute(sql, [run_id, key, max(first, INT64[0]), min(last, INT64[1])])
+
+
+def metric_rollups_rebuild(*, run: Run) -> None:
+    """Every rollup block of the run from its points (points loaded around the ingest, such as
+    a benchmark's COPY, or points from before rollups existed)."""
+    with transaction.atomic():
+        MetricRollup.objects.filter(run=run).delete()
+        spans = MetricPoint.objects.filter(run=run).values("key").annotate(
+            lo=models.Min("step"), hi=models.Max("step"))
+        for span in spans:
+            _rollups_recompute(run.id, [(span["key"], span["lo"]), (span["key"], span["hi"])])
 
 
 def _latest_upsert(run: Run, rows: list[tuple[str, int, float, float]]) -> None:

@@ -50,6 +50,7 @@ INSTALLED_APPS = [
     "webapp.datasets",
     "webapp.rewards",
     "webapp.runs",
+    "webapp.sweeps",
     "webapp.tracking",
     "webapp.dashboard",
     "webapp.api",
