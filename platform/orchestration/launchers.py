@@ -3,6 +3,9 @@ machine (the training-run flow) or on a node (flows/node_processes.py)."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -37,29 +40,71 @@ def server_command(spec: RunSpec, model_dir: str, port: int, index: int, *,
                                    seed=spec.seed + index, parent_pid=parent_pid, **where)
 
 
-def warm_start(spec: RunSpec, spec_path: Path, run_dir: Path,
-               run_id: int | None = None) -> Path | None:
+def warm_start(spec: RunSpec, spec_path: Path, run_dir: Path, run_id: int | None = None, *,
+               share: Path | None = None) -> Path | None:
     """The spec's supervised warm start (``oolong sft``) into ``run_dir/initial_model``, where
     the run's processes start from (``run_model_dir``); None when the spec has none. Bounded by
-    ``model.warm_start_seconds`` and, when set, ``model.warm_start_steps``. Written to a
-    temporary folder first: a warm start that dies half way never looks finished."""
+    ``model.warm_start_seconds`` and, when set, ``model.warm_start_steps``.
+
+    ``share``: a folder the runs of a sweep share on this machine. Runs whose warm-start inputs
+    agree (model, data, seed: :func:`warm_start_key`) make it once, under a lock, and each takes
+    a copy (hard links where it can), so the sweep's runs start from the same weights."""
     out = run_dir / "initial_model"
     if (out / "config.json").exists():
         return out
     if spec.model.warm_start_seconds <= 0:
         return None
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    log = run_dir / "logs" / "warm-start.log"
+    if share is None:
+        _sft(spec, spec_path, out, log, run_dir, run_id)
+        return out
+    shared = share / f"warm-start-{warm_start_key(spec)}"
+    share.mkdir(parents=True, exist_ok=True)
+    with (share / f"{shared.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first run makes it; the others wait, then copy
+        if not (shared / "config.json").exists():
+            _sft(spec, spec_path, shared, log, run_dir, run_id)
     tmp = run_dir / ".initial_model.partial"
     shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(shared, tmp, copy_function=_link_or_copy)
+    tmp.rename(out)
+    return out
+
+
+def warm_start_key(spec: RunSpec) -> str:
+    """What a warm start depends on: the model, the data (a file by its content) and the seed."""
+    data = spec.data.model_dump(mode="json")
+    kind, _, where = spec.data.source.partition(":")
+    if Path(where).is_file():
+        data["source"] = f"{kind}:sha256:{hashlib.sha256(Path(where).read_bytes()).hexdigest()}"
+    blob = json.dumps({"model": spec.model.model_dump(mode="json"), "data": data,
+                       "seed": spec.seed}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _sft(spec: RunSpec, spec_path: Path, out: Path, log: Path, run_dir: Path,
+         run_id: int | None) -> None:
+    """``oolong sft`` into ``out``, through a temporary folder: a warm start that dies half way
+    never looks finished."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
     steps = spec.model.warm_start_steps or 1_000_000
-    with (run_dir / "logs" / "warm-start.log").open("w") as log:
+    with log.open("w") as fh:
         subprocess.run([sys.executable, "-m", "training_core.cli", "sft", "--no-progress",
                         "--config", str(spec_path), "--out", str(tmp), "--steps", str(steps),
                         "--seconds", str(spec.model.warm_start_seconds)],
-                       check=True, env=run_env(run_dir, run_id), stdout=log,
+                       check=True, env=run_env(run_dir, run_id), stdout=fh,
                        stderr=subprocess.STDOUT)
     tmp.rename(out)
-    return out
+
+
+def _link_or_copy(src: str, dst: str) -> str:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+    return dst
 
 
 def train_args(spec_path: Path, server_urls: list[str], run_dir: Path, *,

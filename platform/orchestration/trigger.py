@@ -25,6 +25,11 @@ def flow_run_dir(run_id: int) -> Path:
     return Path(os.environ.get("OOLONG_RUNS_DIR", ROOT / "runs")) / "flows" / f"run-{run_id}"
 
 
+def sweep_dir(sweep_id: int) -> Path:
+    """What the runs of a sweep share on this machine (their warm start)."""
+    return Path(os.environ.get("OOLONG_RUNS_DIR", ROOT / "runs")) / "sweeps" / f"sweep-{sweep_id}"
+
+
 def prefect_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("PREFECT_HOME", str(ROOT / ".cache" / "prefect"))

@@ -180,6 +180,11 @@ class RunRewardOutput(serializers.Serializer):
     source = serializers.CharField(allow_blank=True)
 
 
+class RunSweepOutput(serializers.Serializer):
+    id = serializers.IntegerField()
+    share_warm_start = serializers.BooleanField()
+
+
 class RunInfoIngestApi(IngestApi):
     """What the GPU side needs: the spec, the dataset rows location, cancellation."""
 
@@ -192,6 +197,7 @@ class RunInfoIngestApi(IngestApi):
         attempt = serializers.IntegerField()
         last_step = serializers.IntegerField(allow_null=True)
         reward = RunRewardOutput()
+        sweep = RunSweepOutput(allow_null=True, help_text="the run's sweep, if any")
 
     @extend_schema(operation_id="ingest_run_retrieve", responses={200: Output, **errors(401)})
     def get(self, request):
@@ -201,7 +207,9 @@ class RunInfoIngestApi(IngestApi):
                          "cancel_requested": run.cancel_requested, "spec": run.spec,
                          "attempt": run.attempt, "last_step": run_last_step(run=run),
                          "reward": {"fn": run.reward_version.fn_path,
-                                    "source": run.reward_version.source}})
+                                    "source": run.reward_version.source},
+                         "sweep": ({"id": run.sweep.id, "share_warm_start": run.sweep.share_warm_start}
+                                   if run.sweep else None)})
 
 
 class DatasetRowsIngestApi(IngestApi):

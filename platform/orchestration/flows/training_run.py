@@ -29,7 +29,7 @@ from orchestration.providers import NodeInventory, get_provider
 from orchestration.providers.base import node_queue
 from orchestration.supervise import Outcome, supervise
 from orchestration.tracker import Tracker
-from orchestration.trigger import flow_run_dir
+from orchestration.trigger import flow_run_dir, sweep_dir
 from training_core.checkpoint import pushed_weights
 from training_core.config import RunSpec
 from training_core.engines.rollout_client import RolloutClient
@@ -57,8 +57,9 @@ def prepare_run(tracker_url: str, token: str, run_dir: Path) -> tuple[RunSpec, P
 
 
 @task(name="warm-start", cache_policy=NO_CACHE)  # side effects: never cached
-def warm_start(spec: RunSpec, spec_path: Path, run_dir: Path) -> Path | None:
-    return launchers.warm_start(spec, spec_path, run_dir)
+def warm_start(spec: RunSpec, spec_path: Path, run_dir: Path,
+               share: Path | None = None) -> Path | None:
+    return launchers.warm_start(spec, spec_path, run_dir, share=share)
 
 
 @task(name="start-rollout-fleet", cache_policy=NO_CACHE)  # side effects: never cached
@@ -167,9 +168,14 @@ def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str
                                plan(spec, inventory), node_pool(run_id, inventory))
             outcome = run_placed(placed, tracker, resume=resume)
             return outcome.status
+        sweep = info.get("sweep") or {}
+        share = sweep_dir(sweep["id"]) if sweep.get("share_warm_start") else None
         if spec.model.warm_start_seconds > 0:
-            tracker.event("warm_start", f"supervised warm start for {spec.model.warm_start_seconds:.0f}s")
-        warm_start(spec, spec_path, run_dir)
+            tracker.event("warm_start", f"supervised warm start for at most "
+                                        f"{spec.model.warm_start_seconds:.0f}s" + (
+                                            f", shared with the runs of sweep {sweep['id']}"
+                                            if share else ""))
+        warm_start(spec, spec_path, run_dir, share)
         procs.fleet = start_rollout_fleet(spec, run_dir, inventory)
         wait_fleet_healthy(procs.fleet)
         tracker.event("fleet", f"{len(procs.fleet.urls)} rollout server(s) healthy",
