@@ -5,9 +5,13 @@
 1. Ingest: the same metric points go (a) through the real API path — HTTP POSTs of 5,000-point
    batches to /api/ingest/metrics/ on a running web app (auth, validation, idempotent insert,
    latest-value upsert) — and (b) straight into the table with psycopg's COPY. Ratio = a / b.
-2. Charts: R runs x 5 metrics x 100k steps are loaded (by COPY), then random (run, metric) series
-   are fetched downsampled (500 buckets, min/max/mean per bucket in SQL) and, as the naive
+2. Charts: a sweep of 10 runs x 5 metrics x 100k steps (30k with --quick) is loaded (by COPY,
+   then the rollup blocks are built), then random (run, metric) series are fetched downsampled
+   (500 buckets, min/max/mean per bucket in SQL, from the rollup blocks) and, as the naive
    baseline, point by point. p95 latencies in ms, plus the downsampled query through the API.
+3. The sweep's comparison as the compare page asks for it: /api/runs/compare/ over its 10 runs
+   with the page's 7 chart keys, 300 buckets, the summary (final and best eval, time to target,
+   tokens/s), on the step and on the wall-time axis. Aim: p95 under the chart aim (200 ms).
 
 Uses the database named by --database-url (default: a scratch `oolong_bench` database on the
 local PostgreSQL, created if missing and emptied first).
@@ -72,8 +76,8 @@ def main() -> int:
     parser.add_argument("--out", default="bench-results/tracker_ingest.json")
     args = parser.parse_args()
     ingest_points = 100_000 if args.quick else 500_000
-    chart_runs = 3 if args.quick else 10
-    steps = 100_000
+    chart_runs = 10  # one sweep
+    steps = 30_000 if args.quick else 100_000
     queries = 60 if args.quick else 200
 
     ensure_database(args.database_url)
@@ -94,11 +98,14 @@ def main() -> int:
 
     from training_core.launch import free_port
     from webapp.accounts.services import project_create, token_get_or_create, user_create
+    from webapp.dashboard.charts import COMPARE_CHARTS
     from webapp.datasets.services import dataset_create_builtin
     from webapp.rewards.services import reward_function_create
     from webapp.runs.services import run_create
-    from webapp.tracking.models import MetricPoint
+    from webapp.sweeps.services import sweep_create
+    from webapp.tracking.models import MetricPoint, MetricRollup
     from webapp.tracking.selectors import metric_series_get, metric_series_naive
+    from webapp.tracking.services import metric_rollups_rebuild
 
     user = user_create(username="bench", password="bench-pass-1")
     project = project_create(user=user, name="bench")
@@ -146,13 +153,21 @@ def main() -> int:
         assert MetricPoint.objects.filter(run=copy_run).count() == len(rows)
 
         # ---- 2. chart queries ---------------------------------------------------------------
-        chart = [new_run(f"chart-{i}") for i in range(chart_runs)]
+        sweep = sweep_create(project=project, user=user, name="chart", dataset_version=dv,
+                             reward_version=rv, spec={}, axes=[
+                                 {"field": "trainer.lr", "values": [1e-4 * (i + 1) for i in range(chart_runs)]}])
+        chart = list(sweep.runs.order_by("id"))
         load_start = time.perf_counter()
         for run in chart:
             copy_points(run.id, ((k, s, rng.random(), 1e9 + s) for s in range(steps) for k in KEYS))
         load_s = time.perf_counter() - load_start
-        with connection.cursor() as cur:
+        rollup_start = time.perf_counter()
+        for run in chart:  # COPY went around the ingest, which keeps them
+            metric_rollups_rebuild(run=run)
+        rollup_s = time.perf_counter() - rollup_start
+        with connection.cursor() as cur:  # as autovacuum would, some time after a load
             cur.execute(f"ANALYZE {MetricPoint._meta.db_table}")
+            cur.execute(f"ANALYZE {MetricRollup._meta.db_table}")
         picks = [(rng.choice(chart), rng.choice(KEYS)) for _ in range(queries)]
         metric_series_get(run=chart[0], key=KEYS[0])  # warm caches once, as a live server would be
         down, naive, api_ms = [], [], []
@@ -172,6 +187,21 @@ def main() -> int:
             t = time.perf_counter()
             user_api.get(f"/api/runs/{run.id}/metrics/", params={"keys": key, "buckets": 500}).raise_for_status()
             api_ms.append((time.perf_counter() - t) * 1000)
+
+        # ---- 3. the sweep's comparison, as the compare page asks for it -----------------------
+        compare_keys = ",".join(k for _, keys in COMPARE_CHARTS for k in keys)
+        ids = ",".join(str(r.id) for r in chart)
+        compare_ms: dict[str, list[float]] = {"step": [], "time": []}
+        for i in range(30 if args.quick else 60):
+            x = "step" if i % 2 == 0 else "time"
+            t = time.perf_counter()
+            resp = user_api.get("/api/runs/compare/", params={"ids": ids, "keys": compare_keys,
+                                                              "buckets": 300, "x": x})
+            compare_ms[x].append((time.perf_counter() - t) * 1000)
+            resp.raise_for_status()
+            body = resp.json()
+            assert len(body["summary"]["rows"]) == chart_runs
+            assert all(len(s["x"]) <= 300 for series in body["series"].values() for s in series)
     finally:
         server.terminate()
         server.wait(timeout=10)
@@ -185,8 +215,12 @@ def main() -> int:
         "chart_median_ms": statistics.median(down),
         "naive_chart_p95_ms": p95(naive),
         "api_chart_p95_ms": p95(api_ms),
+        "sweep_compare_p95_ms": p95(compare_ms["step"]),
+        "sweep_compare_time_axis_p95_ms": p95(compare_ms["time"]),
+        "chart_aim_ms": 200,
         "chart_series": {"runs": chart_runs, "metrics": len(KEYS), "steps": steps,
-                         "points_total": chart_runs * len(KEYS) * steps, "load_s": load_s},
+                         "points_total": chart_runs * len(KEYS) * steps, "load_s": load_s,
+                         "rollup_build_s": rollup_s},
         "config": {"quick": args.quick, "batch_points": 5000, "buckets": 500, "queries": queries},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

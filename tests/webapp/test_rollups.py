@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from webapp.tracking.models import ROLLUP_STEPS, MetricPoint, MetricRollup
+from webapp.tracking.models import ROLLUP_LEVELS, ROLLUP_STEPS, MetricPoint, MetricRollup
 from webapp.tracking.selectors import metric_series_get, run_series, run_summaries
 from webapp.tracking.services import metric_rollups_rebuild, metrics_ingest
 
@@ -30,9 +30,10 @@ def _expected(points: list[tuple[int, float, float]], buckets: int) -> dict[str,
     whole rollup blocks when at least one block wide."""
     lo, hi = points[0][0], points[-1][0]
     width = max(1, -(-(hi - lo + 1) // buckets))
-    if width >= ROLLUP_STEPS:
-        blocks = -(-width // ROLLUP_STEPS)
-        bucket_of = lambda s: (s // ROLLUP_STEPS - lo // ROLLUP_STEPS) // blocks  # noqa: E731
+    if 1.5 * width >= ROLLUP_STEPS:  # the coarsest level whose blocks fit, with 1.5x slack
+        size = max(z for z in ROLLUP_LEVELS if z <= 1.5 * width)
+        blocks = -(-width // size)
+        bucket_of = lambda s: (s // size - lo // size) // blocks  # noqa: E731
     else:
         bucket_of = lambda s: (s - lo) // width  # noqa: E731
     grouped: dict[int, list[tuple[int, float]]] = {}
@@ -49,7 +50,7 @@ def _stored(run, key="reward/mean"):
                 .values_list("step", "value", "wall_time"))
 
 
-@pytest.mark.parametrize("buckets", [500, 40, 7, 1])
+@pytest.mark.parametrize("buckets", [500, 60, 20, 7, 1])  # points; levels 0, 1, 2, 3
 def test_series_over_rollups_equal_the_points_after_retries_and_replacements(run, buckets):
     rng = random.Random(buckets)
     values = {s: rng.random() for s in range(-5, 3000)}
@@ -68,24 +69,27 @@ def test_series_over_rollups_equal_the_points_after_retries_and_replacements(run
     assert got["downsampled"] == (len(want["step"]) < len(points))
 
 
-def test_rollup_blocks_match_the_points_and_rebuild_gives_the_same(run):
+def test_rollup_blocks_match_the_points_at_every_level_and_rebuild_gives_the_same(run):
     rng = random.Random(3)
-    _ingest(run, range(0, 700), f=lambda s: rng.random())
+    _ingest(run, range(-40, 5000), f=lambda s: rng.random())
     _ingest(run, range(300, 400), f=lambda s: -1.0)  # replaced
-    blocks = {}
-    for step, value, wall in _stored(run):
-        b = blocks.setdefault(step // ROLLUP_STEPS, {"n": 0, "total": 0.0, "low": value,
-                                                      "high": value, "first": step, "wall": wall})
-        b.update(n=b["n"] + 1, total=b["total"] + value, low=min(b["low"], value),
-                 high=max(b["high"], value), last=step, wall=max(b["wall"], wall))
+    _ingest(run, range(4000, 4001), f=lambda s: 7.0)  # one point, deep in a level-2 block
+    points = _stored(run)
+    want = {}
+    for level, size in enumerate(ROLLUP_LEVELS):
+        for step, value, wall in points:
+            b = want.setdefault((level, step // size), {"n": 0, "total": 0.0, "low": value,
+                                                          "high": value, "first": step, "wall": wall})
+            b.update(n=b["n"] + 1, total=b["total"] + value, low=min(b["low"], value),
+                     high=max(b["high"], value), last=step, wall=max(b["wall"], wall))
 
     def stored():
-        return {r.block: (r.n, round(r.total, 9), r.low, r.high, r.first_step, r.last_step,
-                          r.wall_time)
+        return {(r.level, r.block): (r.n, round(r.total, 9), r.low, r.high, r.first_step,
+                                     r.last_step, r.wall_time)
                 for r in MetricRollup.objects.filter(run=run, key="reward/mean")}
 
     assert stored() == {k: (b["n"], round(b["total"], 9), b["low"], b["high"], b["first"],
-                            b["last"], b["wall"]) for k, b in blocks.items()}
+                            b["last"], b["wall"]) for k, b in want.items()}
     before = stored()
     MetricRollup.objects.filter(run=run).update(total=0)  # damaged, or loaded around the ingest
     metric_rollups_rebuild(run=run)
@@ -150,19 +154,23 @@ rv = reward_function_create(project=project, user=user, name="r", builtin="arith
 run = Run.objects.create(project=project, name="r", dataset_version=dv, reward_version=rv, spec={})
 rng = random.Random(0)
 pts = lambda steps, f: [{"key": "k", "step": s, "value": f(s), "time": 1.0 + s} for s in steps]
-metrics_ingest(run=run, points=pts(range(-3, 2000), lambda s: rng.random()))
+metrics_ingest(run=run, points=pts(range(-3, 6000), lambda s: rng.random()))
 metrics_ingest(run=run, points=pts(range(500, 700), lambda s: 9.0))
 points = list(MetricPoint.objects.filter(run=run, key="k").order_by("step").values_list("step", "value"))
-got = metric_series_get(run=run, key="k", buckets=10)
 lo = points[0][0]
-blocks = -(-(-(-2003 // 10)) // 32)
-groups = {}
-for s, v in points:
-    groups.setdefault((s // 32 - lo // 32) // blocks, []).append((s, v))
-want = [groups[g] for g in sorted(groups)]
-assert got["step"] == [max(s for s, _ in g) for g in want], got["step"]
-assert got["max"] == [max(v for _, v in g) for g in want]
-assert all(abs(a - sum(v for _, v in g) / len(g)) < 1e-9 for a, g in zip(got["mean"], want))
+# 6003 steps: each bucket count reads one level (32 .. 8192-step blocks), 400 the points.
+for buckets, size in ((1, 8192), (2, 2048), (10, 512), (40, 128), (150, 32), (400, 0)):
+    got = metric_series_get(run=run, key="k", buckets=buckets)
+    width = -(-6003 // buckets)
+    blocks = -(-width // size) if size else width
+    groups = {}
+    for s, v in points:
+        bucket = (s // size - lo // size) // blocks if size else (s - lo) // width
+        groups.setdefault(bucket, []).append((s, v))
+    want = [groups[g] for g in sorted(groups)]
+    assert got["step"] == [max(s for s, _ in g) for g in want], (buckets, got["step"])
+    assert got["max"] == [max(v for _, v in g) for g in want]
+    assert all(abs(a - sum(v for _, v in g) / len(g)) < 1e-9 for a, g in zip(got["mean"], want))
 print("sqlite ok")
 """
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "webapp.config.settings.local",

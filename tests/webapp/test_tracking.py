@@ -23,6 +23,20 @@ def test_ingest_is_idempotent_and_tracks_latest(run):
     assert LatestMetric.objects.get(run=run, key="reward/mean").step == 14
 
 
+def test_a_step_twice_in_one_batch_keeps_the_later_point(run, ingest_token):
+    """Found by the API fuzzer: PostgreSQL's insert refused a batch holding one step twice with
+    two values (a 500)."""
+    from rest_framework.test import APIClient
+
+    c = APIClient()
+    c.credentials(HTTP_AUTHORIZATION=f"Bearer {ingest_token}")
+    twice = [{"key": "loss", "step": 4, "value": 1.0}, {"key": "loss", "step": 4, "value": 2.0}]
+    resp = c.post("/api/ingest/metrics/", {"points": twice}, format="json")
+    assert resp.status_code == 200 and resp.json() == {"inserted": 1, "received": 2}
+    assert MetricPoint.objects.get(run=run, key="loss", step=4).value == 2.0
+    assert LatestMetric.objects.get(run=run, key="loss").value == 2.0
+
+
 def test_a_resumed_run_replaces_the_points_of_the_steps_it_trains_again(run):
     assert metrics_ingest(run=run, points=_points(range(6))) == 6  # attempt 1 dies after step 5
     # attempt 2 resumes from the step-3 checkpoint: steps 4 and 5 again, with new values

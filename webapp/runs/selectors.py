@@ -29,6 +29,15 @@ def run_get(*, user, run_id: int) -> Run:
         raise Http404("run not found") from None
 
 
+def runs_get(*, user, run_ids: list[int]) -> list[Run]:
+    """The runs in the order given, duplicates once, in one query; 404 if any is not the user's."""
+    wanted = list(dict.fromkeys(run_ids))
+    found = {r.id: r for r in run_list(user=user).filter(id__in=wanted)}
+    if len(found) != len(wanted):
+        raise Http404("run not found")
+    return [found[i] for i in wanted]
+
+
 def run_event_list(*, run: Run, after: int = 0, limit: int = 500) -> QuerySet[RunEvent]:
     """The run's events after event id ``after``, oldest first (the live event log polls this)."""
     return run.events.filter(id__gt=after).order_by("id")[:limit]

@@ -6,7 +6,10 @@ from webapp.runs.models import Run
 class MetricPoint(models.Model):
     """One value of one metric at one step. (run, key, step) is unique: ingest is idempotent."""
 
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="metric_points")
+    # No index of its own: the unique (run, key, step) index starts with it (one index less to
+    # keep up at ingest, and the planner never picks the narrower one for a series).
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="metric_points",
+                            db_index=False)
     key = models.CharField(max_length=100)
     step = models.BigIntegerField()
     value = models.FloatField()
@@ -16,16 +19,21 @@ class MetricPoint(models.Model):
         constraints = [models.UniqueConstraint(fields=["run", "key", "step"], name="metric_point_unique")]
 
 
-ROLLUP_STEPS = 32  # steps per MetricRollup block
+# Steps per MetricRollup block at each level: each level's block holds 4 of the level below.
+ROLLUP_LEVELS = (32, 128, 512, 2048, 8192)
+ROLLUP_STEPS = ROLLUP_LEVELS[0]
 
 
 class MetricRollup(models.Model):
-    """One metric's aggregates over a block of ROLLUP_STEPS consecutive steps (block = step //
-    ROLLUP_STEPS), recomputed from MetricPoint by the ingest whenever a point of the block is new
-    or changed: a chart over a 100k-step run reads ~3k of these instead of 100k points."""
+    """One metric's aggregates over a block of consecutive steps: ``ROLLUP_LEVELS[level]`` steps,
+    block = step // those steps. Level 0 is recomputed from MetricPoint by the ingest whenever a
+    point of the block is new or changed, each level above from the one below. A chart reads
+    the coarsest level finer than its buckets: a 100k-step run's series is a few hundred rows."""
 
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="metric_rollups")
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="metric_rollups",
+                            db_index=False)  # the unique index starts with it
     key = models.CharField(max_length=100)
+    level = models.SmallIntegerField(default=0)
     block = models.BigIntegerField()
     n = models.IntegerField()
     total = models.FloatField()
@@ -36,8 +44,8 @@ class MetricRollup(models.Model):
     wall_time = models.FloatField(help_text="the latest point's")
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["run", "key", "block"],
-                                               name="metric_rollup_unique")]
+        constraints = [models.UniqueConstraint(fields=["run", "key", "level", "block"],
+                                               name="metric_rollup_level_unique")]
 
 
 class LatestMetric(models.Model):

@@ -7,11 +7,11 @@ import bisect
 from typing import Any
 
 from django.db import connection
-from django.db.models import Max, Min, Sum
+from django.db.models import Max, Sum
 
 from webapp.runs.models import Run
 from webapp.tracking.models import (
-    ROLLUP_STEPS,
+    ROLLUP_LEVELS,
     Checkpoint,
     LatestMetric,
     MetricPoint,
@@ -22,6 +22,11 @@ from webapp.tracking.models import (
 
 def latest_metrics(*, run: Run) -> dict[str, float]:
     return dict(LatestMetric.objects.filter(run=run).values_list("key", "value"))
+
+
+def latest_metric_rows(*, run: Run) -> list[tuple[str, int, float]]:
+    """Every key's latest (key, step, value), by key: the raw metric table."""
+    return list(LatestMetric.objects.filter(run=run).order_by("key").values_list("key", "step", "value"))
 
 
 def run_last_step(*, run: Run) -> int | None:
@@ -52,6 +57,10 @@ def latest_metrics_for_runs(*, runs: list[Run], keys: list[str]) -> dict[int, di
 
 
 X_AXES = ("step", "time", "tokens")
+# A bucket may be up to this much wider than asked when that lets it read whole blocks of a
+# coarser rollup level: a series then has at least buckets / LEVEL_SLACK points, and reads at
+# most about 2.7 x buckets rows per key (the levels are 4x apart).
+LEVEL_SLACK = 1.5
 TOKENS_KEY = "tokens/consumed"
 
 
@@ -66,40 +75,65 @@ def metric_series_get(*, run: Run, key: str, buckets: int = 500, x: str = "step"
 def run_series(*, run: Run, keys: list[str], buckets: int = 500, x: str = "step") -> list[dict[str, Any]]:
     """Several of a run's series on one x-axis (the axis' mapping is read once)."""
     axis = _XAxis(run, x)
-    return [axis.add(_series(run, key, buckets)) for key in keys]
+    found = _series_batch(run, keys, buckets)
+    return [axis.add(dict(found[key])) for key in keys]
 
 
-def _series(run: Run, key: str, buckets: int) -> dict[str, Any]:
-    """Bucketed in SQL. Buckets of at least ROLLUP_STEPS steps read the rollup blocks (about
-    span / ROLLUP_STEPS rows), narrower ones the points (at most buckets * ROLLUP_STEPS rows)."""
-    bounds = MetricPoint.objects.filter(run=run, key=key).aggregate(lo=Min("step"), hi=Max("step"))
-    lo, hi = bounds["lo"], bounds["hi"]
-    if lo is None:
-        return {"key": key, "step": [], "mean": [], "min": [], "max": [], "time": [],
-                "downsampled": False}
-    span = hi - lo + 1
-    width = max(1, -(-span // max(buckets, 1)))  # ceil division
-    if width >= ROLLUP_STEPS:
-        blocks = -(-width // ROLLUP_STEPS)  # rollup blocks per bucket
-        sql = (f"SELECT MAX(last_step), SUM(total) / SUM(n), MIN(low), MAX(high), MAX(wall_time) "
-               f"FROM {MetricRollup._meta.db_table} WHERE run_id = %s AND key = %s "
-               "GROUP BY (block - %s) / %s ORDER BY 1")
-        params: list[Any] = [run.id, key, lo // ROLLUP_STEPS, blocks]
-    elif width == 1:
-        sql = (f"SELECT step, value, value, value, wall_time FROM {MetricPoint._meta.db_table} "
-               "WHERE run_id = %s AND key = %s ORDER BY step")
-        params = [run.id, key]
-    else:
-        sql = (f"SELECT MAX(step), AVG(value), MIN(value), MAX(value), MAX(wall_time) "
-               f"FROM {MetricPoint._meta.db_table} WHERE run_id = %s AND key = %s "
-               "GROUP BY (step - %s) / %s ORDER BY 1")
-        params = [run.id, key, lo, width]
+def _series_batch(run: Run, keys: list[str], buckets: int) -> dict[str, dict[str, Any]]:
+    """Each key's series, bucketed in SQL, in at most three queries: the keys' step ranges from
+    the coarsest rollup level, then one query for the keys whose buckets are wide enough for
+    rollup blocks (they read the coarsest level whose blocks fit, with LEVEL_SLACK) and one for
+    the others (they read the points: fewer than buckets * ROLLUP_STEPS rows). Each series also
+    carries ``time``, the latest wall time in each bucket."""
+    keys = list(dict.fromkeys(keys))
+    out = {k: {"key": k, "step": [], "mean": [], "min": [], "max": [], "time": [],
+               "downsampled": False} for k in keys}
+    if not keys:
+        return out
+    rollups, points = MetricRollup._meta.db_table, MetricPoint._meta.db_table
+    marks = ", ".join(["%s"] * len(keys))
     with connection.cursor() as cur:
-        cur.execute(sql, params)
-        rows = cur.fetchall()
-    return {"key": key, "step": [r[0] for r in rows], "mean": [r[1] for r in rows],
-            "min": [r[2] for r in rows], "max": [r[3] for r in rows], "time": [r[4] for r in rows],
-            "downsampled": width > 1}
+        cur.execute(f"SELECT key, MIN(first_step), MAX(last_step) FROM {rollups} "
+                    f"WHERE run_id = %s AND key IN ({marks}) AND level = %s GROUP BY key",
+                    [run.id, *keys, len(ROLLUP_LEVELS) - 1])
+        plans: dict[str, tuple[str, int, int, int]] = {}  # key -> (table, level, origin, width)
+        for key, lo, hi in cur.fetchall():
+            width = max(1, -(-(hi - lo + 1) // max(buckets, 1)))  # ceil division
+            out[key]["downsampled"] = width > 1
+            levels = [i for i, size in enumerate(ROLLUP_LEVELS) if size <= LEVEL_SLACK * width]
+            if levels:  # whole blocks per bucket, counted from lo's block
+                size = ROLLUP_LEVELS[levels[-1]]
+                plans[key] = (rollups, levels[-1], lo // size, -(-width // size))
+            else:
+                plans[key] = (points, 0, lo, width)
+        for table, unit, columns, level_filter in (
+                (rollups, "block", "MAX(last_step), SUM(total) / SUM(n), MIN(low), MAX(high), "
+                                   "MAX(wall_time)", True),
+                (points, "step", "MAX(step), AVG(value), MIN(value), MAX(value), MAX(wall_time)",
+                 False)):
+            chosen = [k for k, plan in plans.items() if plan[0] == table]
+            if not chosen:
+                continue
+            when = " ".join(["WHEN %s THEN %s"] * len(chosen))
+
+            def case(i: int, chosen=chosen) -> list[Any]:  # CASE key WHEN k THEN plans[k][i]
+                return [v for k in chosen for v in (k, plans[k][i])]
+
+            # (key, level) pairs spelled out, so that both are index conditions.
+            where = " OR ".join(["(key = %s AND level = %s)" if level_filter else "key = %s"]
+                                * len(chosen))
+            cur.execute(
+                f"SELECT key, {columns} FROM {table} WHERE run_id = %s AND ({where}) "
+                f"GROUP BY key, ({unit} - CASE key {when} END) / CASE key {when} END",
+                [run.id, *(case(1) if level_filter else chosen), *case(2), *case(3)])
+            for key, step, mean, low, high, wall in sorted(cur.fetchall(), key=lambda r: r[:2]):
+                series = out[key]
+                series["step"].append(step)
+                series["mean"].append(mean)
+                series["min"].append(low)
+                series["max"].append(high)
+                series["time"].append(wall)
+    return out
 
 
 class _XAxis:
@@ -141,7 +175,7 @@ class _XAxis:
             if points.count() <= 4 * 1024:
                 pairs = list(points.order_by("step").values_list("step", "value"))
             else:
-                pairs = list(MetricRollup.objects.filter(run=self.run, key=TOKENS_KEY)
+                pairs = list(MetricRollup.objects.filter(run=self.run, key=TOKENS_KEY, level=0)
                              .order_by("block").values_list("last_step", "total"))
             steps, totals, total = [], [], 0.0
             for step, value in pairs:
@@ -170,33 +204,56 @@ REWARD_KEY, EVAL_KEY, RATE_KEY = "reward/mean", "eval/accuracy", "tokens_per_s"
 FINAL_POINTS = 10  # the final reward is the mean of the last this many steps
 
 
-def run_summaries(*, runs: list[Run], target: float | None = None) -> dict[str, Any]:
+def runs_compare(*, runs: list[Run], keys: list[str], buckets: int = 300, x: str = "step",
+                 target: float | None = None) -> dict[str, Any]:
+    """What a comparison shows: every run's series of ``keys`` on one x-axis, and
+    :func:`run_summaries` (its reward curve comes from the same read)."""
+    axes = {r.id: _XAxis(r, x) for r in runs}
+    found = {r.id: _series_batch(r, [*keys, REWARD_KEY], buckets) for r in runs}
+    return {"series": {r.id: [axes[r.id].add(dict(found[r.id][k])) for k in keys] for r in runs},
+            "summary": run_summaries(runs=runs, target=target, axes=axes,
+                                     rewards={rid: f[REWARD_KEY] for rid, f in found.items()})}
+
+
+def run_summaries(*, runs: list[Run], target: float | None = None,
+                  axes: dict[int, _XAxis] | None = None,
+                  rewards: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
     """What a comparison answers at a glance, per run: final reward (mean of the last
     FINAL_POINTS steps), final and best eval accuracy, mean tokens/s, steps and wall time, and
     the time (and step) the reward first reached ``target`` (smoothed over 5 points; default:
-    90% of the best final reward among the runs). ``{"target": ..., "rows": [...]}``."""
+    90% of the best final reward among the runs). ``{"target": ..., "rows": [...]}``.
+
+    A few queries for all runs together (evals, rates, last steps from the rollup blocks) and
+    two per run (its last rewards, its first step's time); ``axes`` and ``rewards`` pass in what
+    the caller has read already."""
+    axes = axes or {r.id: _XAxis(r, "time") for r in runs}
+    rewards = rewards or {r.id: _series_batch(r, [REWARD_KEY], 300)[REWARD_KEY] for r in runs}
+    evals: dict[int, list[tuple[int, float]]] = {r.id: [] for r in runs}
+    for run_id, step, value in MetricPoint.objects.filter(run__in=runs, key=EVAL_KEY).values_list(
+            "run_id", "step", "value"):
+        evals[run_id].append((step, value))
+    top = len(ROLLUP_LEVELS) - 1  # the fewest rows: the coarsest level holds the same totals
+    by_run = MetricRollup.objects.filter(run__in=runs, level=top).values("run_id")
+    rates = {r["run_id"]: r["total"] / r["n"] for r in by_run.filter(key=RATE_KEY).annotate(
+        total=Sum("total"), n=Sum("n")) if r["n"]}
+    lasts = {r["run_id"]: (r["step"], r["wall"]) for r in by_run.filter(key="version").annotate(
+        step=Max("last_step"), wall=Max("wall_time"))}
     rows, curves = [], {}
     for run in runs:
-        axis = _XAxis(run, "time")
-        reward = axis.add(_series(run, REWARD_KEY, 300))
-        curves[run.id] = reward
+        start = axes[run.id].start(rewards[run.id]["time"])
+        curves[run.id] = {**rewards[run.id], "x": [t - start for t in rewards[run.id]["time"]]}
         tail = list(MetricPoint.objects.filter(run=run, key=REWARD_KEY).order_by("-step")
                     .values_list("value", flat=True)[:FINAL_POINTS])
-        evals = MetricPoint.objects.filter(run=run, key=EVAL_KEY)
-        best = evals.order_by("-value", "step").values_list("value", "step").first()
-        last = evals.order_by("-step").values_list("value", flat=True).first()
-        rate = MetricRollup.objects.filter(run=run, key=RATE_KEY).aggregate(
-            total=Sum("total"), n=Sum("n"))
-        version = MetricPoint.objects.filter(run=run, key="version").order_by("-step").values_list(
-            "step", "wall_time").first()
+        points = sorted(evals[run.id])
+        best = max(points, key=lambda p: (p[1], -p[0]), default=None)
+        last = lasts.get(run.id)
         rows.append({
             "run_id": run.id, "name": run.name, "status": run.status,
-            "steps": version[0] if version else None,
-            "wall_s": version[1] - axis.start([]) if version else None,
+            "steps": last[0] if last else None, "wall_s": last[1] - start if last else None,
             "final_reward": sum(tail) / len(tail) if tail else None,
-            "final_eval": last, "best_eval": best[0] if best else None,
-            "best_eval_step": best[1] if best else None,
-            "tokens_per_s": rate["total"] / rate["n"] if rate["n"] else None,
+            "final_eval": points[-1][1] if points else None,
+            "best_eval": best[1] if best else None, "best_eval_step": best[0] if best else None,
+            "tokens_per_s": rates.get(run.id),
         })
     finals = [r["final_reward"] for r in rows if r["final_reward"] is not None]
     if target is None and finals:

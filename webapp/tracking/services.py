@@ -12,6 +12,7 @@ from webapp.core.errors import ApplicationError
 from webapp.core.json_input import json_check
 from webapp.runs.models import Run
 from webapp.tracking.models import (
+    ROLLUP_LEVELS,
     ROLLUP_STEPS,
     Checkpoint,
     LatestMetric,
@@ -40,7 +41,7 @@ def _int64(value: Any, field: str) -> int:
 def _clean_points(points: list[dict[str, Any]]) -> list[tuple[str, int, float, float]]:
     if len(points) > MAX_POINTS_PER_BATCH:
         raise ApplicationError(f"at most {MAX_POINTS_PER_BATCH} points per batch", field="points")
-    out = []
+    out: dict[tuple[str, int], tuple[str, int, float, float]] = {}
     now = time.time()
     for i, p in enumerate(points):
         try:
@@ -59,8 +60,10 @@ def _clean_points(points: list[dict[str, Any]]) -> list[tuple[str, int, float, f
             continue  # not plottable; a NaN loss is reported as an event by the trainer
         if not math.isfinite(wall):
             raise ApplicationError("must be a Unix time in seconds", field=f"points[{i}].time")
-        out.append((key, step, value, wall))
-    return out
+        out[(key, step)] = (key, step, value, wall)
+    # A step sent twice in one batch: the later point wins, as if sent in two batches (one
+    # insert statement may not touch a row twice).
+    return list(out.values())
 
 
 def metrics_ingest(*, run: Run, points: list[dict[str, Any]]) -> int:
@@ -110,33 +113,50 @@ def _ingest_portable(run: Run, rows: list[tuple[str, int, float, float]]) -> lis
     return list(changed)
 
 
-# Floor division of a step into its block, negative steps included (SQL division truncates).
-_BLOCK = (f"CASE WHEN step >= 0 THEN step / {ROLLUP_STEPS} "
-          f"ELSE (step + 1) / {ROLLUP_STEPS} - 1 END")
+def _floor_div(column: str, by: int) -> str:
+    """SQL floor division of ``column`` by ``by``, negative values included (SQL truncates)."""
+    return f"CASE WHEN {column} >= 0 THEN {column} / {by} ELSE ({column} + 1) / {by} - 1 END"
+
+
+_FANOUT = ROLLUP_LEVELS[1] // ROLLUP_LEVELS[0]  # blocks per block of the next level
+_SET = ("n = excluded.n, total = excluded.total, low = excluded.low, high = excluded.high, "
+        "first_step = excluded.first_step, last_step = excluded.last_step, "
+        "wall_time = excluded.wall_time")
 
 
 def _rollups_recompute(run_id: int, changed: list[tuple[str, int]]) -> None:
-    """Recompute, from the points themselves, the rollup blocks that hold a new or changed point
-    (so a retried or replaced batch leaves them exact). Trainers send consecutive steps: one
-    statement per key over the range of blocks the batch touched."""
+    """Recompute, from the points themselves, the level-0 rollup blocks that hold a new or
+    changed point (so a retried or replaced batch leaves them exact), then each level above
+    from the one below. Trainers send consecutive steps: per key, one statement per level over
+    the range of blocks the batch touched."""
     spans: dict[str, tuple[int, int]] = {}
     for key, step in changed:
         lo, hi = spans.get(key, (step, step))
         spans[key] = (min(lo, step), max(hi, step))
     points, rollups = MetricPoint._meta.db_table, MetricRollup._meta.db_table
-    sql = (f"INSERT INTO {rollups} (run_id, key, block, n, total, low, high, first_step, "
-           f"last_step, wall_time) SELECT run_id, key, {_BLOCK}, COUNT(*), SUM(value), MIN(value), "
-           f"MAX(value), MIN(step), MAX(step), MAX(wall_time) FROM {points} "
-           "WHERE run_id = %s AND key = %s AND step >= %s AND step <= %s "
-           f"GROUP BY run_id, key, {_BLOCK} ON CONFLICT (run_id, key, block) DO UPDATE SET "
-           "n = excluded.n, total = excluded.total, low = excluded.low, high = excluded.high, "
-           "first_step = excluded.first_step, last_step = excluded.last_step, "
-           "wall_time = excluded.wall_time")
+    columns = "(run_id, key, level, block, n, total, low, high, first_step, last_step, wall_time)"
+    from_points = (
+        f"INSERT INTO {rollups} {columns} SELECT run_id, key, 0, {_floor_div('step', ROLLUP_STEPS)}, "
+        f"COUNT(*), SUM(value), MIN(value), MAX(value), MIN(step), MAX(step), MAX(wall_time) "
+        f"FROM {points} WHERE run_id = %s AND key = %s AND step >= %s AND step <= %s "
+        f"GROUP BY run_id, key, {_floor_div('step', ROLLUP_STEPS)} "
+        f"ON CONFLICT (run_id, key, level, block) DO UPDATE SET {_SET}")
+    from_below = (
+        f"INSERT INTO {rollups} {columns} SELECT run_id, key, %s, {_floor_div('block', _FANOUT)}, "
+        f"SUM(n), SUM(total), MIN(low), MAX(high), MIN(first_step), MAX(last_step), "
+        f"MAX(wall_time) FROM {rollups} WHERE run_id = %s AND key = %s AND level = %s "
+        f"AND block >= %s AND block <= %s GROUP BY run_id, key, {_floor_div('block', _FANOUT)} "
+        f"ON CONFLICT (run_id, key, level, block) DO UPDATE SET {_SET}")
     with connection.cursor() as cur:
         for key, (lo, hi) in spans.items():
-            first = lo // ROLLUP_STEPS * ROLLUP_STEPS
-            last = (hi // ROLLUP_STEPS + 1) * ROLLUP_STEPS - 1
-            cur.execute(sql, [run_id, key, max(first, INT64[0]), min(last, INT64[1])])
+            size = ROLLUP_LEVELS[0]
+            cur.execute(from_points, [run_id, key, max(lo // size * size, INT64[0]),
+                                      min((hi // size + 1) * size - 1, INT64[1])])
+            for level in range(1, len(ROLLUP_LEVELS)):
+                size = ROLLUP_LEVELS[level]
+                # Every child block of the touched blocks of this level.
+                cur.execute(from_below, [level, run_id, key, level - 1, lo // size * _FANOUT,
+                                         (hi // size + 1) * _FANOUT - 1])
 
 
 def metric_rollups_rebuild(*, run: Run) -> None:
