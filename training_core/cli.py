@@ -5,6 +5,7 @@
     oolong sft --config run.yaml --out runs/demo/initial_model --seconds 30
     oolong serve --model-path DIR --port 30000      # the embedded rollout server
     oolong runs create|list|watch|cancel|compare    # a remote Oolong server (REST API)
+    oolong sweeps create|list|show|compare         # runs that differ in one or two fields
 """
 
 from __future__ import annotations
@@ -107,9 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("serve", help="the embedded rollout server (SGLang API)")
     v.add_argument("server_args", nargs=argparse.REMAINDER)
     v.set_defaults(fn=cmd_serve)
-    from training_core.runs_cli import add_runs_parser
+    from training_core.runs_cli import add_runs_parser, add_sweeps_parser
 
     add_runs_parser(sub)
+    add_sweeps_parser(sub)
     return p
 
 
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
-    if args.command == "runs":
+    if args.command in ("runs", "sweeps"):
         from training_core.runs_cli import run_command
 
         return run_command(args.fn, args)

@@ -357,6 +357,23 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def parse_scalar(text: str) -> Any:
+    """One value typed on a command line or in a form's list: an integer, a number (``1e-3``
+    too, which YAML 1.1 reads as text), true/false, null, else the text itself."""
+    text = text.strip()
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("null", "none", "~"):
+        return None
+    return text.strip("'\"")
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """``["trainer.lr=1e-5", "rollout.max_staleness=0"]`` -> nested dict (values parsed as YAML)."""
     tree: dict[str, Any] = {}

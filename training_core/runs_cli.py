@@ -1,4 +1,5 @@
-"""`oolong runs create|list|watch|cancel|resume|compare`: the REST API from a terminal or CI.
+"""`oolong runs create|list|watch|cancel|resume|compare` and `oolong sweeps
+create|list|show|compare`: the REST API from a terminal or CI.
 
 Server and credentials come from --url/--token or OOLONG_URL/OOLONG_TOKEN (a user API token;
 get one with POST /api/auth/token/ or `manage.py oolong_user`).
@@ -16,7 +17,7 @@ import httpx
 import yaml
 from tqdm import tqdm
 
-from training_core.config import _deep_merge, parse_overrides
+from training_core.config import _deep_merge, parse_overrides, parse_scalar
 from training_core.http import WebClient
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -125,11 +126,137 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for key in args.keys:
         vals = [body["latest"].get(str(r["id"]), {}).get(key) for r in body["runs"]]
         print(f"{key:<34}" + "".join(f"{'-' if v is None else f'{v:.4f}':<26}" for v in vals))
+    print()
+    print_summary(body)
+    return 0
+
+
+def _axes(vary: list[str]) -> list[dict[str, Any]]:
+    """``["rollout.max_staleness=0,1,2"]`` -> ``[{"field": ..., "values": [0, 1, 2]}]``."""
+    axes = []
+    for item in vary:
+        field, sep, raw = item.partition("=")
+        if not sep or not field.strip() or not raw.strip():
+            raise ApiError(f"--vary {item!r}: write it as field=value,value (e.g. "
+                           "rollout.max_staleness=0,1,2,4)")
+        axes.append({"field": field.strip(),
+                     "values": [parse_scalar(v) for v in raw.split(",") if v.strip()]})
+    return axes
+
+
+def cmd_sweep_create(args: argparse.Namespace) -> int:
+    axes = _axes(args.vary)
+    with _client(args) as http:
+        if args.from_run:
+            body: dict[str, Any] = {"axes": axes, **({"name": args.name} if args.name else {})}
+            sweep = _check(http.post(f"/api/runs/{args.from_run}/sweep/", json=body))
+        else:
+            missing = [f"--{n.replace('_', '-')}" for n in ("project", "dataset_version", "reward_version")
+                       if getattr(args, n) is None]
+            if missing:
+                raise ApiError(f"give {', '.join(missing)} (or --from-run RUN_ID)")
+            spec: dict[str, Any] = (yaml.safe_load(open(args.config)) or {}) if args.config else {}
+            spec = _deep_merge(spec, parse_overrides(args.overrides))
+            sweep = _check(http.post("/api/sweeps/", json={
+                "project": args.project, "name": args.name or spec.get("name", "sweep"),
+                "dataset_version": args.dataset_version, "reward_version": args.reward_version,
+                "spec": spec, "axes": axes, "share_warm_start": not args.separate_warm_starts}))
+    print(f"created sweep {sweep['id']} ({len(sweep['runs'])} runs):")
+    for run in sweep["runs"]:
+        print(f"  run {run['id']:>5}  {run['name']}")
+    return 0
+
+
+def cmd_sweep_list(args: argparse.Namespace) -> int:
+    params = {"project": args.project} if args.project else {}
+    with _client(args) as http:
+        page = _check(http.get("/api/sweeps/", params={**params, "limit": args.limit}))
+    print(f"{'id':>5}  {'name':<30} varies")
+    for s in page["results"]:
+        varies = "; ".join(f"{a['field']}={','.join(map(str, a['values']))}" for a in s["axes"])
+        print(f"{s['id']:>5}  {s['name'][:30]:<30} {varies}")
+    return 0
+
+
+def cmd_sweep_show(args: argparse.Namespace) -> int:
+    with _client(args) as http:
+        sweep = _check(http.get(f"/api/sweeps/{args.sweep_id}/"))
+    fields = [a["field"] for a in sweep["axes"]]
+    print(f"sweep {sweep['id']} {sweep['name']}")
+    print(f"{'run':>5}  {'status':<12} " + "".join(f"{f:<26}" for f in fields))
+    for run in sweep["runs"]:
+        print(f"{run['id']:>5}  {run['status']:<12} "
+              + "".join(f"{str(run['sweep_values'].get(f)):<26}" for f in fields))
+    return 0
+
+
+def _cell(value: Any, kind: str = "n") -> str:
+    if value is None:
+        return "-"
+    if kind == "pct":
+        return f"{100 * value:.1f}%"
+    if kind == "s":
+        return f"{value:.1f}s"
+    if kind == "int":
+        return f"{value:,.0f}"
+    return f"{value:.3f}"
+
+
+def print_summary(body: dict) -> None:
+    """The comparison's summary table and the fields that differ."""
+    summary = body["summary"]
+    target = summary["target"]
+    print(f"{'run':<30} {'status':<10} {'steps':>6} {'wall':>8} {'reward':>7} {'eval':>6} "
+          f"{'best eval':>9} {'to ' + _cell(target):>10} {'tok/s':>8}")
+    for r in summary["rows"]:
+        print(f"{r['name'][:30]:<30} {r['status']:<10} {_cell(r['steps'], 'int'):>6} "
+              f"{_cell(r['wall_s'], 's'):>8} {_cell(r['final_reward']):>7} "
+              f"{_cell(r['final_eval'], 'pct'):>6} {_cell(r['best_eval'], 'pct'):>9} "
+              f"{_cell(r['time_to_target_s'], 's'):>10} {_cell(r['tokens_per_s'], 'int'):>8}")
     print("\nconfig differences:")
     for row in body["config_diff"]:
         if row["differs"]:
             print(f"  {row['key']:<32}" + "".join(f"{str(v)[:24]:<26}" for v in row["values"]))
+
+
+def cmd_sweep_compare(args: argparse.Namespace) -> int:
+    params = {"target": args.target} if args.target is not None else {}
+    with _client(args) as http:
+        body = _check(http.get(f"/api/sweeps/{args.sweep_id}/compare/", params=params))
+    print(f"sweep {body['sweep']['id']} {body['sweep']['name']}")
+    print_summary(body)
     return 0
+
+
+def add_sweeps_parser(sub: argparse._SubParsersAction) -> None:
+    sweeps = sub.add_parser("sweeps", help="groups of runs that differ in one or two fields")
+    sweeps.add_argument("--url", help="server URL (OOLONG_URL)")
+    sweeps.add_argument("--token", help="API token (OOLONG_TOKEN)")
+    ss = sweeps.add_subparsers(dest="sweeps_command", required=True)
+    c = ss.add_parser("create", help="one run per combination of the --vary values, launched together")
+    c.add_argument("--vary", action="append", required=True, metavar="FIELD=V1,V2,...",
+                   help="a field to vary and its values; once or twice")
+    c.add_argument("--from-run", type=int, help="start from this run's dataset, reward and spec")
+    c.add_argument("--project", type=int)
+    c.add_argument("--dataset-version", type=int)
+    c.add_argument("--reward-version", type=int)
+    c.add_argument("--name")
+    c.add_argument("--config", help="the shared run spec (YAML)")
+    c.add_argument("--separate-warm-starts", action="store_true",
+                   help="each run makes its own warm start (default: one shared)")
+    c.add_argument("overrides", nargs="*", help="shared spec overrides, section.key=value")
+    c.set_defaults(fn=cmd_sweep_create)
+    ls = ss.add_parser("list")
+    ls.add_argument("--project", type=int)
+    ls.add_argument("--limit", type=int, default=50)
+    ls.set_defaults(fn=cmd_sweep_list)
+    sh = ss.add_parser("show", help="the sweep's runs, their values and statuses")
+    sh.add_argument("sweep_id", type=int)
+    sh.set_defaults(fn=cmd_sweep_show)
+    cmp_ = ss.add_parser("compare", help="final and best eval, time to a target reward, tokens/s")
+    cmp_.add_argument("sweep_id", type=int)
+    cmp_.add_argument("--target", type=float, help="reward to time (default: 90%% of the best)")
+    cmp_.set_defaults(fn=cmd_sweep_compare)
 
 
 def add_runs_parser(sub: argparse._SubParsersAction) -> None:

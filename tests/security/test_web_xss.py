@@ -61,7 +61,7 @@ def test_pages_run_under_the_content_security_policy(strict_page, live_server, r
     policy = response.headers["content-security-policy"]
     assert "script-src 'self'" in policy and "unsafe-eval" not in policy
     assert "frame-ancestors 'none'" in policy
-    strict_page.locator("#charts .js-plotly-plot").first.wait_for(timeout=20_000)
+    strict_page.locator("#chart-groups .js-plotly-plot").first.wait_for(timeout=20_000)
     strict_page.evaluate("""() => {
         const s = document.createElement("script");
         s.textContent = "window.__csp = 1";
@@ -76,8 +76,37 @@ def test_pages_run_under_the_content_security_policy(strict_page, live_server, r
     assert any("inline" in v for v in violations)  # the browser refused the injected script
     ours = [v for v in violations if "__csp" not in v and "inline" not in v]
     assert not ours, ours
-    for path in ("/", "/datasets/", "/rewards/", "/runs/new/", "/compare/", "/api/docs/"):
+    for path in ("/", "/datasets/", "/rewards/", "/runs/new/", f"/runs/new/?clone={run.id}",
+                 f"/compare/?ids={run.id}", "/sweeps/", "/api/docs/"):
         before = len(violations)
         strict_page.goto(base + path)
         strict_page.wait_for_load_state("networkidle")
         assert len(violations) == before, (path, violations[before:])
+
+
+def test_run_names_and_config_values_show_as_text_in_comparisons(page, live_server, run, alice):  # noqa: F811
+    """Run names and config values go into chart legends, parallel-coordinate ticks and the
+    summary table: plotly reads some tags in its texts, so they must arrive escaped."""
+    from webapp.runs.services import run_create
+    from webapp.tracking.services import metrics_ingest
+
+    name = '<a href="javascript:window.__xss=3">x</a><b>bold</b>'
+    other = run_create(project=run.project, user=alice, name=name,
+                       dataset_version=run.dataset_version, reward_version=run.reward_version,
+                       spec={"data": {"prompt_template": "<b>{question}</b>",
+                                      "options": {"<i>k</i>": 1}}})
+    for r in (run, other):
+        metrics_ingest(run=r, points=[{"key": "reward/mean", "step": s, "value": s / 10,
+                                       "time": 1e9 + s} for s in range(1, 11)])
+    _login(page, live_server.url)
+    page.goto(f"{live_server.url}/compare/?ids={run.id},{other.id}")
+    page.wait_for_selector("#parcoords .parcoords")
+    page.wait_for_function("document.querySelectorAll('#summary tbody tr').length === 2")
+    legend = page.locator("#chart-0 .legendtext").all_text_contents()
+    assert name in legend, legend  # shown as typed, not as a link and bold text
+    assert page.locator("#charts a, #charts b, #parcoords a, #parcoords b, #summary b").count() == 0
+    assert name in page.locator("#summary").inner_text()
+    ticks = " ".join(page.locator("#parcoords text").all_text_contents())
+    assert "<b>{question}</b>" in ticks and "data.options.<i>k</i>" in ticks, ticks
+    assert page.locator("#parcoords i").count() == 0
+    assert page.evaluate("window.__xss") is None

@@ -88,40 +88,36 @@ def test_login_upload_create_run_charts_and_compare(page, live_server, alice, pr
     assert "0+1=" in page.locator("table.preview").inner_text()
     page.screenshot(path=str(ARTIFACTS / "dataset-detail.png"), full_page=True)
 
-    # Create a run from the form; an invalid spec is shown per field first.
-    page.goto(base + "/runs/new/")
-    page.fill("input[name=name]", "browser-run")
-    page.fill("textarea[name=spec]", "trainer:\n  stepz: 3\n")
-    page.click("form.card button[type=submit]")
-    assert "spec.trainer.stepz" in page.locator(".error-box").inner_text()
-    page.fill("textarea[name=spec]", "trainer:\n  steps: 3\n")
-    page.click("form.card button[type=submit]")
-    page.wait_for_url("**/runs/*/")
-    from webapp.runs.models import Run
-
-    run = Run.objects.get(name="browser-run")
-    _metrics(run, 3000, 1.0)
-    page.reload()
-    page.wait_for_function("document.querySelectorAll('#charts .main-svg').length >= 6")
-    traces = page.evaluate("document.getElementById('chart-0').data.length")
-    assert traces >= 2  # reward band + mean line (downsampled 3000 steps)
-    page.screenshot(path=str(ARTIFACTS / "run-page.png"), full_page=True)
-
-    # Compare with a second run.
+    # Compare two runs picked from the run list.
     from webapp.runs.services import run_create
 
+    run = run_create(project=project, user=alice, name="browser-run",
+                     dataset_version=_dataset(project), reward_version=reward_version,
+                     spec={"trainer": {"steps": 3}})
+    _metrics(run, 3000, 1.0)
     other = run_create(project=project, user=alice, name="browser-run-2",
                        dataset_version=run.dataset_version, reward_version=reward_version,
                        spec={"trainer": {"steps": 5, "lr": 0.01}})
     _metrics(other, 500, 0.5)
-    page.goto(f"{base}/compare/?ids={run.id}&ids={other.id}")
+    page.goto(base + "/")
+    page.check(f"tr[data-run='{run.id}'] input[name=ids]")
+    page.check(f"tr[data-run='{other.id}'] input[name=ids]")
+    page.click("text=Compare selected")
     page.wait_for_function("document.querySelectorAll('#charts .main-svg').length >= 3")
     differing = page.locator("tr.differs").all_inner_texts()
     assert any("trainer.lr" in row for row in differing)
     assert any("trainer.steps" in row for row in differing)
     names = page.evaluate("document.getElementById('chart-0').data.map(t => t.name)")
-    assert any("browser-run-2" in n for n in names) and any(n.startswith("browser-run ") for n in names)
+    assert "browser-run-2" in names and "browser-run" in names
+    page.locator("#summary tbody tr").nth(1).wait_for()
+    assert page.locator("#summary tbody tr").count() == 2
     page.screenshot(path=str(ARTIFACTS / "compare.png"), full_page=True)
+
+
+def _dataset(project):
+    from webapp.datasets.models import DatasetVersion
+
+    return DatasetVersion.objects.filter(dataset__project=project).first()
 
 
 def test_other_users_runs_are_invisible_in_the_browser(page, live_server, run, bob):

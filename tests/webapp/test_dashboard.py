@@ -15,12 +15,15 @@ def test_forms_name_the_bad_field_and_refuse_yaml_aliases(alice):
 
     client = Client()
     client.force_login(alice)
-    bad = client.post("/runs/new/", {"project": "x", "dataset_version": "1", "reward_version": "1"})
-    assert bad.status_code == 200 and b"<code>project</code>" in bad.content
+    bad = client.post("/runs/new/", {"project": "x", "dataset_version": "1", "reward_version": "1",
+                                     "name": "kept", "spec": "trainer:\n  steps: 3\n"})
+    assert bad.status_code == 400 and b"<code>project</code>" in bad.content
+    # The form comes back as the user filled it: nothing typed is lost.
+    assert b'value="kept"' in bad.content and b"steps: 3" in bad.content
     bomb = "a: &a [x, x]\nb: &b [*a, *a]\nc: [*b, *b]\n"
     resp = client.post("/runs/new/", {"project": "1", "dataset_version": "1", "reward_version": "1",
                                       "spec": bomb})
-    assert b"aliases" in resp.content and not Run.objects.exists()
+    assert resp.status_code == 400 and b"aliases" in resp.content and not Run.objects.exists()
     compare = client.get("/compare/", {"id_list": "1,abc"})
     assert compare.status_code == 200 and b"run ids are numbers" in compare.content
 

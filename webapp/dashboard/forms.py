@@ -7,6 +7,7 @@ from typing import Any
 
 from django import forms
 
+from training_core.config import parse_scalar
 from webapp.core.errors import ApplicationError
 from webapp.core.spec_yaml import spec_from_yaml
 from webapp.runs.models import Run
@@ -31,8 +32,10 @@ class RunCompareForm(forms.Form):
     id_list = forms.CharField(required=False, max_length=2000)
 
     def run_ids(self, picked: list[str]) -> list[int]:
-        """Ids from the checkboxes (``ids``) and the free-text list, deduplicated in order."""
-        raw = picked + self.cleaned_data.get("id_list", "").split(",")
+        """Ids from the checkboxes (``ids``, repeated or comma separated) and the free-text list,
+        deduplicated in order."""
+        raw = [part for value in picked for part in value.split(",")]
+        raw += self.cleaned_data.get("id_list", "").split(",")
         ids = []
         for item in (x.strip() for x in raw):
             if not item:
@@ -45,13 +48,41 @@ class RunCompareForm(forms.Form):
 
 class RunNewForm(forms.Form):
     project = forms.IntegerField(min_value=1)
-    name = forms.CharField(required=False, max_length=200)
+    name = forms.CharField(required=False, max_length=80)
     dataset_version = forms.IntegerField(min_value=1)
     reward_version = forms.IntegerField(min_value=1)
     spec = forms.CharField(required=False, strip=False)
+    # A sweep: one or two fields to vary, each with its comma-separated values.
+    sweep_field_1 = forms.CharField(required=False, max_length=100)
+    sweep_values_1 = forms.CharField(required=False, max_length=2000)
+    sweep_field_2 = forms.CharField(required=False, max_length=100)
+    sweep_values_2 = forms.CharField(required=False, max_length=2000)
+    share_warm_start = forms.BooleanField(required=False)
 
     def clean_spec(self) -> dict[str, Any]:
         return parse_spec_yaml(self.cleaned_data.get("spec", ""))
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        axes = []
+        for i in (1, 2):
+            field = (data.get(f"sweep_field_{i}") or "").strip()
+            raw = (data.get(f"sweep_values_{i}") or "").strip()
+            if not field and not raw:
+                continue
+            if not field:
+                self.add_error(f"sweep_field_{i}", "pick the field these values are for")
+            elif not raw:
+                self.add_error(f"sweep_values_{i}", f"give the values of {field}, comma separated")
+            else:
+                axes.append({"field": field,
+                             "values": [parse_scalar(v) for v in raw.split(",") if v.strip()]})
+        data["axes"] = axes
+        return data
+
+
+class CloneForm(forms.Form):
+    clone = forms.IntegerField(required=False, min_value=1, max_value=2**63 - 1)
 
 
 class DatasetUploadForm(forms.Form):

@@ -14,9 +14,12 @@ from django.views.decorators.http import require_POST
 
 from webapp.accounts.selectors import project_get_for_user, project_list
 from webapp.core.errors import ApplicationError
+from webapp.core.spec_yaml import spec_to_yaml
 from webapp.core.uploads import upload_check
+from webapp.dashboard.charts import COMPARE_CHARTS, RUN_CHART_GROUPS
 from webapp.dashboard.formatting import glance_items, grouped_metrics
 from webapp.dashboard.forms import (
+    CloneForm,
     DatasetUploadForm,
     RewardCreateForm,
     RunCompareForm,
@@ -39,30 +42,26 @@ from webapp.rewards.selectors import (
 )
 from webapp.rewards.services import builtin_names, reward_function_create
 from webapp.runs.models import Run
-from webapp.runs.selectors import run_config_diff, run_event_recent, run_get, run_list
+from webapp.runs.selectors import (
+    run_config_diff,
+    run_event_recent,
+    run_get,
+    run_list,
+    run_spec_fields,
+    run_spec_overrides,
+)
 from webapp.runs.services import run_cancel, run_create, run_resume
+from webapp.sweeps.selectors import sweep_get, sweep_list, sweep_runs
+from webapp.sweeps.services import MAX_RUNS, sweep_against_synchronous, sweep_create
 from webapp.tracking.selectors import (
     checkpoint_list,
+    latest_metric_rows,
     latest_metrics,
     latest_metrics_for_runs,
     run_glance,
     trajectory_steps,
 )
 
-CHARTS = [
-    ("Reward and accuracy", ["reward/mean", "reward/accuracy", "eval/accuracy"]),
-    ("Response length", ["response_length/mean", "response_length/max"]),
-    ("Staleness (policy version lag)", ["staleness/mean", "staleness/max"]),
-    ("Version lag distribution (fraction of tokens)", [f"staleness/lag_{k}_frac" for k in range(5)]),
-    ("Throughput (tokens/s)", ["tokens_per_s"]),
-    ("Generation vs training time (s)", ["time/generation_wait_s", "time/training_s",
-                                         "time/weight_sync_pause_s"]),
-    ("Loss", ["loss"]),
-    ("Clip fraction", ["clip_frac"]),
-    ("Behaviour weights", ["behav_weight/mean", "behav_weight/max", "behav_weight/masked_frac"]),
-    ("Grad norm", ["grad_norm"]),
-    ("Weight version", ["version"]),
-]
 LIST_KEYS = ["reward/mean", "eval/accuracy", "staleness/mean", "tokens_per_s"]
 
 
@@ -85,11 +84,14 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     run = run_get(user=request.user, run_id=run_id)
     latest = latest_metrics(run=run)
     live = run.status not in Run.TERMINAL
+    groups = [{"id": gid, "title": title, "charts": charts} for gid, title, charts in RUN_CHART_GROUPS]
     return render(request, "dashboard/run_detail.html", {
         "run": run, "metric_groups": grouped_metrics(latest),
         "glance": glance_items(run_glance(run=run, latest=latest)),
-        "events": run_event_recent(run=run), "live": live,
-        "page_config": {"page": "run", "run_id": run.id, "charts": CHARTS, "live": live},
+        "events": run_event_recent(run=run), "live": live, "chart_groups": groups,
+        "page_config": {"page": "run", "run_id": run.id, "groups": groups, "live": live},
+        "raw_metrics": latest_metric_rows(run=run),
+        "eta": (run.spec.get("rollout") or {}).get("max_staleness", 0),
         "steps": trajectory_steps(run=run),
         "checkpoints": checkpoint_list(run=run),
         "spec_json": json.dumps(run.spec, indent=2)})
@@ -118,7 +120,29 @@ def run_resume_view(request: HttpRequest, run_id: int) -> HttpResponse:
 
 
 @login_required
+@require_POST
+def run_sync_sweep_view(request: HttpRequest, run_id: int) -> HttpResponse:
+    """'Compare with synchronous': two fresh runs of this configuration, launched together."""
+    run = run_get(user=request.user, run_id=run_id)
+    try:
+        sweep = sweep_against_synchronous(run=run, user=request.user)
+    except ApplicationError as exc:
+        messages.error(request, exc.message)
+        return redirect("run-detail", run_id=run_id)
+    messages.success(request, f"started {sweep.runs.count()} runs, launched together with one "
+                              "shared warm start")
+    return redirect("sweep-detail", sweep_id=sweep.id)
+
+
+def _compare_context(runs: list[Run], focus: int | None) -> dict:
+    return {"runs": runs, "diff": run_config_diff(runs=runs) if len(runs) >= 2 else [],
+            "page_config": {"page": "compare", "run_ids": [r.id for r in runs], "focus": focus,
+                            "charts": COMPARE_CHARTS}}
+
+
+@login_required
 def run_compare(request: HttpRequest) -> HttpResponse:
+    """Compare the picked runs; one run that belongs to a sweep is compared with its sweep."""
     form = RunCompareForm(request.GET)
     errors: list[dict] = []
     ids: list[int] = []
@@ -127,37 +151,103 @@ def run_compare(request: HttpRequest) -> HttpResponse:
             ids = form.run_ids(request.GET.getlist("ids"))
         except forms.ValidationError as exc:
             errors = [{"field": "ids", "message": exc.messages[0]}]
-    runs = [run_get(user=request.user, run_id=i) for i in ids]
-    return render(request, "dashboard/compare.html", {"errors": errors,
-        "runs": runs, "diff": run_config_diff(runs=runs) if len(runs) >= 2 else [],
-        "page_config": {"page": "compare", "run_ids": [r.id for r in runs], "charts": CHARTS[:6]},
+    runs = [run_get(user=request.user, run_id=i) for i in ids[:20]]
+    focus = runs[0].id if len(runs) == 1 else None
+    if len(runs) == 1 and runs[0].sweep_id:
+        runs = sweep_runs(sweep=runs[0].sweep)
+    return render(request, "dashboard/compare.html", {
+        "errors": errors, **_compare_context(runs, focus),
         "all_runs": run_list(user=request.user)[:100]})
 
 
 @login_required
+def sweep_list_view(request: HttpRequest) -> HttpResponse:
+    sweeps = list(sweep_list(user=request.user)[:200])
+    return render(request, "dashboard/sweep_list.html", {
+        "rows": [{"sweep": s, "runs": sweep_runs(sweep=s)} for s in sweeps]})
+
+
+@login_required
+def sweep_detail(request: HttpRequest, sweep_id: int) -> HttpResponse:
+    sweep = sweep_get(user=request.user, sweep_id=sweep_id)
+    runs = sweep_runs(sweep=sweep)
+    rows = [{"run": r, "values": [r.sweep_values.get(f) for f in sweep.fields]} for r in runs]
+    return render(request, "dashboard/sweep_detail.html", {
+        "sweep": sweep, "rows": rows, "base_yaml": spec_to_yaml(sweep.base_spec),
+        **_compare_context(runs, None)})
+
+
+def _new_run_context(request: HttpRequest, *, spec_text: str, values: dict) -> dict:
+    fields = run_spec_fields(user=request.user)
+    return {"projects": project_list(user=request.user),
+            "datasets": dataset_list(user=request.user),
+            "rewards": reward_function_list(user=request.user), "errors": [],
+            "spec_text": spec_text, "values": values,
+            "sweepable": [f for f in fields if f["sweepable"]], "max_runs": MAX_RUNS,
+            "form_config": {"fields": fields, "errors": [], "max_runs": MAX_RUNS}}
+
+
+@login_required
 def run_new(request: HttpRequest) -> HttpResponse:
-    ctx = {"projects": project_list(user=request.user), "datasets": dataset_list(user=request.user),
-           "rewards": reward_function_list(user=request.user), "errors": [],
-           "spec_text": request.POST.get("spec", "trainer:\n  steps: 20\n")}
-    if request.method == "POST":
-        form = RunNewForm(request.POST)
-        if not form.is_valid():
-            ctx["errors"] = form_errors(form)
-            return render(request, "dashboard/run_new.html", ctx)
-        data = form.cleaned_data
-        try:
-            run = run_create(
-                project=project_get_for_user(user=request.user, project_id=data["project"]),
-                user=request.user, name=data["name"].strip() or "run",
-                dataset_version=dataset_version_get(user=request.user,
-                                                    version_id=data["dataset_version"]),
-                reward_version=reward_version_get(user=request.user,
-                                                  version_id=data["reward_version"]),
-                spec=data["spec"])
-            return redirect("run-detail", run_id=run.id)
-        except ApplicationError as exc:
-            ctx["errors"] = exc.errors
-    return render(request, "dashboard/run_new.html", ctx)
+    """The run form: generated from the run spec's schema (runform.js), a YAML view kept in
+    sync both ways, inline checks as the user types; a sweep when fields to vary are given.
+    ``?clone=<id>`` starts from a run's configuration."""
+    if request.method != "POST":
+        clone = CloneForm(request.GET)
+        source = None
+        if clone.is_valid() and clone.cleaned_data["clone"]:
+            source = run_get(user=request.user, run_id=clone.cleaned_data["clone"])
+        values = {"name": f"{source.name} (clone)"[:80] if source else "",
+                  "project": source.project_id if source else None,
+                  "dataset_version": source.dataset_version_id if source else None,
+                  "reward_version": source.reward_version_id if source else None,
+                  "share_warm_start": True}
+        spec = run_spec_overrides(run=source) if source else {"trainer": {"steps": 20}}
+        ctx = _new_run_context(request, spec_text=spec_to_yaml(spec), values=values)
+        ctx["clone"] = source
+        return render(request, "dashboard/run_new.html", ctx)
+
+    post = request.POST
+    ctx = _new_run_context(request, spec_text=post.get("spec", ""), values={
+        "name": post.get("name", ""), "project": _int(post.get("project")),
+        "dataset_version": _int(post.get("dataset_version")),
+        "reward_version": _int(post.get("reward_version")),
+        "share_warm_start": bool(post.get("share_warm_start")),
+        **{f"sweep_{kind}_{i}": post.get(f"sweep_{kind}_{i}", "")
+           for kind in ("field", "values") for i in (1, 2)}})
+    form = RunNewForm(post)
+    if not form.is_valid():
+        return _run_new_errors(request, ctx, form_errors(form))
+    data = form.cleaned_data
+    try:
+        project = project_get_for_user(user=request.user, project_id=data["project"])
+        dataset_version = dataset_version_get(user=request.user, version_id=data["dataset_version"])
+        reward_version = reward_version_get(user=request.user, version_id=data["reward_version"])
+        name = data["name"].strip() or "run"
+        if data["axes"]:
+            sweep = sweep_create(project=project, user=request.user, name=name,
+                                 dataset_version=dataset_version, reward_version=reward_version,
+                                 spec=data["spec"], axes=data["axes"],
+                                 share_warm_start=data["share_warm_start"])
+            return redirect("sweep-detail", sweep_id=sweep.id)
+        run = run_create(project=project, user=request.user, name=name,
+                         dataset_version=dataset_version, reward_version=reward_version,
+                         spec=data["spec"])
+        return redirect("run-detail", run_id=run.id)
+    except ApplicationError as exc:
+        return _run_new_errors(request, ctx, exc.errors, status=exc.status_code)
+
+
+def _run_new_errors(request: HttpRequest, ctx: dict, errors: list[dict],
+                    status: int = 400) -> HttpResponse:
+    """The form again, as the user filled it, with each error next to its field."""
+    ctx["errors"] = errors
+    ctx["form_config"]["errors"] = errors
+    return render(request, "dashboard/run_new.html", ctx, status=status)
+
+
+def _int(value: str | None) -> int | None:
+    return int(value) if value and value.isdigit() and len(value) < 19 else None
 
 
 def _upload_refused(request: HttpRequest, template: str, ctx: dict) -> HttpResponse | None:

@@ -1,65 +1,137 @@
 // Charts draw downsampled series (min/max band + mean line) from the REST API and refresh while
-// a run is live.
+// a run is live. The controls pick the x-axis (step, wall time, tokens consumed), smooth the
+// lines (an exponential moving average, debiased as TensorBoard's) and, on the run page, which
+// groups of charts show; they are remembered per page kind. Text from runs (names, events,
+// samples) only ever goes into textContent.
 (function () {
-  const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"];
+  const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+                  "#7f7f7f", "#bcbd22", "#17becf"];
+  const AXIS_TITLES = {step: "step", time: "wall time (s)", tokens: "tokens consumed"};
+
   async function getJSON(url) {
     const r = await fetch(url, {credentials: "same-origin"});
     if (!r.ok) throw new Error(url + " -> " + r.status);
     return r.json();
   }
-  function traces(series, label, color, dash) {
+  function el(tag, attrs, text) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
+
+  // Plotly reads a few HTML-like tags in its texts (<b>, <a href>): user-given text (run names,
+  // config values) goes in with its "<" escaped, so it shows as typed and never as markup.
+  const plain = text => String(text).replace(/&/g, "&amp;").replace(/</g, "&lt;");
+
+  // ---- controls ----------------------------------------------------------------------------
+  function controls(kind, onChange) {
+    const key = "oolong.charts." + kind;
+    const saved = JSON.parse(localStorage.getItem(key) || "{}");
+    const xAxis = document.getElementById("x-axis");
+    const smoothing = document.getElementById("smoothing");
+    const shown = document.getElementById("smoothing-value");
+    const state = {x: saved.x || "step", smoothing: saved.smoothing || 0, hidden: saved.hidden || []};
+    const save = () => localStorage.setItem(key, JSON.stringify(state));
+    xAxis.value = state.x;
+    smoothing.value = state.smoothing;
+    shown.textContent = state.smoothing;
+    xAxis.addEventListener("change", () => { state.x = xAxis.value; save(); onChange("x"); });
+    smoothing.addEventListener("input", () => {
+      state.smoothing = Number(smoothing.value); shown.textContent = smoothing.value; save(); onChange("smoothing");
+    });
+    for (const box of document.querySelectorAll("#chart-controls input[data-group]")) {
+      const group = box.dataset.group;
+      const section = document.querySelector(`.chart-group[data-group="${group}"]`);
+      box.checked = !state.hidden.includes(group);
+      section.hidden = !box.checked;
+      box.addEventListener("change", () => {
+        section.hidden = !box.checked;
+        state.hidden = box.checked ? state.hidden.filter(g => g !== group) : [...state.hidden, group];
+        save();
+        if (box.checked) onChange("groups");
+      });
+    }
+    return state;
+  }
+  function smooth(ys, weight) {
+    if (!weight) return ys;
+    let last = 0, n = 0;
+    return ys.map(y => {
+      if (y === null || y === undefined) return y;
+      last = last * weight + (1 - weight) * y;
+      n += 1;
+      // 12 digits: a constant series stays exactly constant (plotly would zoom into the
+      // rounding noise of the debiasing division).
+      return Number((last / (1 - Math.pow(weight, n))).toPrecision(12));
+    });
+  }
+
+  // ---- plotting ----------------------------------------------------------------------------
+  function traces(series, label, color, state, extra) {
     const out = [];
-    if (series.downsampled) {
-      out.push({x: series.step, y: series.max, mode: "lines", line: {width: 0}, showlegend: false, hoverinfo: "skip"});
-      out.push({x: series.step, y: series.min, mode: "lines", line: {width: 0}, fill: "tonexty",
+    if (series.downsampled && !state.smoothing && !extra) {
+      out.push({x: series.x, y: series.max, mode: "lines", line: {width: 0}, showlegend: false, hoverinfo: "skip"});
+      out.push({x: series.x, y: series.min, mode: "lines", line: {width: 0}, fill: "tonexty",
                 fillcolor: color + "33", showlegend: false, hoverinfo: "skip"});
     }
-    out.push({x: series.step, y: series.mean, mode: "lines", name: label, line: {color: color, dash: dash}});
+    if (state.smoothing) {  // the raw line stays, faint, under the smoothed one
+      out.push({x: series.x, y: series.mean, mode: "lines", line: {color: color, width: 1},
+                opacity: 0.25, showlegend: false, hoverinfo: "skip"});
+    }
+    out.push({x: series.x, y: smooth(series.mean, state.smoothing), mode: "lines", name: plain(label),
+              line: {color: color, ...(extra || {})}});
     return out;
   }
   function ensureDiv(container, id) {
     let div = document.getElementById(id);
-    if (!div) { div = document.createElement("div"); div.id = id; div.className = "chart"; container.appendChild(div); }
+    if (!div) { div = el("div", {id, class: "chart"}); container.appendChild(div); }
     return div;
   }
-  const layout = (title, empty) => empty
+  const layout = (title, empty, x) => empty
     ? {title: {text: title, font: {size: 13}}, xaxis: {visible: false}, yaxis: {visible: false},
        annotations: [{text: "no data yet", showarrow: false, font: {size: 14, color: "#889"}}]}
-    : {title: {text: title, font: {size: 13}}, margin: {l: 45, r: 10, t: 30, b: 30},
-       legend: {orientation: "h", y: -0.2}, xaxis: {title: "step"}};
-  async function drawRun(runId, charts, container) {
-    const keys = [...new Set(charts.flatMap(c => c[1]))];
-    const data = await getJSON(`/api/runs/${runId}/metrics/?keys=${encodeURIComponent(keys.join(","))}&buckets=400`);
+    : {title: {text: title, font: {size: 13}}, margin: {l: 50, r: 10, t: 30, b: 75},
+       legend: {orientation: "h", x: 0, y: -0.22, yanchor: "top", font: {size: 11}},
+       xaxis: {title: {text: AXIS_TITLES[x], font: {size: 11}, standoff: 2}}};
+  const PLOT_CONFIG = {displayModeBar: false, responsive: true};
+
+  // ---- the run page ------------------------------------------------------------------------
+  async function drawRun(runId, groups, state) {
+    const visible = groups.filter(g => !state.hidden.includes(g.id));
+    const keys = [...new Set(visible.flatMap(g => g.charts.flatMap(c => c[1])))];
+    if (!keys.length) return;
+    const data = await getJSON(`/api/runs/${runId}/metrics/?keys=${encodeURIComponent(keys.join(","))}&buckets=400&x=${state.x}`);
     const byKey = Object.fromEntries(data.series.map(s => [s.key, s]));
-    charts.forEach(([title, ks], i) => {
-      const t = ks.filter(k => byKey[k] && byKey[k].step.length)
-                  .flatMap((k, j) => traces(byKey[k], k, COLORS[j % COLORS.length]));
-      Plotly.react(ensureDiv(container, "chart-" + i), t, layout(title, !t.length), {displayModeBar: false, responsive: true});
-    });
+    for (const group of visible) {
+      const container = document.getElementById("charts-" + group.id);
+      group.charts.forEach(([title, ks], i) => {
+        const t = ks.filter(k => byKey[k] && byKey[k].step.length)
+                    .flatMap((k, j) => traces(byKey[k], k, COLORS[j % COLORS.length], state));
+        Plotly.react(ensureDiv(container, `chart-${group.id}-${i}`), t, layout(title, !t.length, state.x), PLOT_CONFIG);
+      });
+    }
   }
   async function drawTrajectories(runId, step) {
     const box = document.getElementById("trajectories");
     const samples = await getJSON(`/api/runs/${runId}/trajectories/` + (step ? `?step=${step}` : ""));
     if (!samples.length) return;
     const maxV = Math.max(1, ...samples.flatMap(s => s.token_versions));
-    box.innerHTML = "";
+    box.replaceChildren();
     for (const s of samples) {
-      const d = document.createElement("div"); d.className = "sample";
-      const head = document.createElement("div");
-      head.textContent = `reward ${s.reward.toFixed(3)} · prompt: ${s.prompt}`;
-      d.appendChild(head);
+      const d = el("div", {class: "sample"});
+      d.appendChild(el("div", {}, `reward ${s.reward.toFixed(3)} · prompt: ${s.prompt}`));
       const info = s.info || {};
       if (info.extract) {  // what the reward scored: the answer its extractor found
-        const ans = document.createElement("div"); ans.className = "extracted";
-        ans.textContent = `answer (extract ${info.extract}): ` +
+        d.appendChild(el("div", {class: "extracted"}, `answer (extract ${info.extract}): ` +
           (info.extracted == null ? "none found" : info.extracted) +
-          (info.dropped_stale ? " · dropped from the loss (too stale)" : "");
-        d.appendChild(ans);
+          (info.dropped_stale ? " · dropped from the loss (too stale)" : "")));
       }
       s.tokens.forEach((tok, i) => {
-        const span = document.createElement("span"); span.className = "tok"; span.textContent = tok;
+        const span = el("span", {class: "tok"}, tok);
         const v = s.token_versions[i] ?? 0;
-        span.style.background = `hsl(${200 - 160 * v / maxV}, 70%, 85%)`; span.title = "version " + v;
+        span.style.background = `hsl(${200 - 160 * v / maxV}, 70%, 85%)`;
+        span.title = "version " + v;
         d.appendChild(span);
       });
       box.appendChild(d);
@@ -68,56 +140,142 @@
   async function refreshEvents(runId) {
     const events = await getJSON(`/api/runs/${runId}/events/`);
     const ol = document.getElementById("events");
-    // Event text comes from run processes: build nodes with textContent, never HTML strings.
     ol.replaceChildren(...events.slice().reverse().map(e => {
-      const li = document.createElement("li");
-      const time = document.createElement("time"); time.textContent = e.time.slice(11, 19);
-      const kind = document.createElement("b"); kind.textContent = e.kind;
-      li.append(time, " ", kind, " ", e.message);
+      const li = el("li");
+      li.append(el("time", {}, e.time.slice(11, 19)), " ", el("b", {}, e.kind), " ", e.message);
       return li;
     }));
   }
+
+  // ---- comparisons (the compare page and a sweep's page) -----------------------------------
+  const fmt = {
+    n: (v, d = 3) => v === null || v === undefined ? "–" : Number(v).toFixed(d),
+    pct: v => v === null || v === undefined ? "–" : (100 * v).toFixed(1) + "%",
+    s: v => v === null || v === undefined ? "–" : v < 120 ? v.toFixed(1) + " s" : (v / 60).toFixed(1) + " min",
+    int: v => v === null || v === undefined ? "–" : Math.round(v).toLocaleString(),
+  };
+  function summaryTable(summary, focus) {
+    document.getElementById("target-label").textContent = summary.target === null ? "–" : summary.target.toFixed(3);
+    const rows = summary.rows;
+    const best = (key, better) => {
+      const vals = rows.map(r => r[key]).filter(v => v !== null && v !== undefined);
+      return vals.length ? (better === "max" ? Math.max(...vals) : Math.min(...vals)) : null;
+    };
+    const bests = {final_reward: best("final_reward", "max"), final_eval: best("final_eval", "max"),
+                   best_eval: best("best_eval", "max"), time_to_target_s: best("time_to_target_s", "min"),
+                   tokens_per_s: best("tokens_per_s", "max")};
+    const body = document.querySelector("#summary tbody");
+    body.replaceChildren(...rows.map(r => {
+      const tr = el("tr", {"data-run": String(r.run_id)});
+      if (r.run_id === focus) tr.className = "focus";
+      const link = el("a", {href: `/runs/${r.run_id}/`}, r.name);
+      const cells = [
+        [link], [el("span", {class: "status " + r.status}, r.status)], [fmt.int(r.steps)], [fmt.s(r.wall_s)],
+        [fmt.n(r.final_reward), "final_reward"], [fmt.pct(r.final_eval), "final_eval"],
+        [r.best_eval === null ? "–" : `${fmt.pct(r.best_eval)} (${r.best_eval_step})`, "best_eval"],
+        [r.time_to_target_s === null ? "–" : `${fmt.s(r.time_to_target_s)} (step ${r.step_to_target})`, "time_to_target_s"],
+        [fmt.int(r.tokens_per_s), "tokens_per_s"]];
+      cells.forEach(([content, key], i) => {
+        const td = el("td", {class: i >= 2 ? "num" : ""});
+        if (typeof content === "string") td.textContent = content; else td.append(content);
+        if (key && rows.length > 1 && r[key] !== null && r[key] === bests[key]) td.classList.add("best");
+        tr.append(td);
+      });
+      return tr;
+    }));
+  }
+  function parcoords(data) {
+    const box = document.getElementById("parcoords");
+    if (!box) return;
+    const runs = data.runs;
+    const rows = Object.fromEntries(data.summary.rows.map(r => [r.run_id, r]));
+    const dims = [];
+    for (const row of data.config_diff.filter(r => r.differs)) {
+      const values = row.values;
+      if (values.every(v => typeof v === "number")) {
+        dims.push({label: plain(row.key), values});
+      } else {  // categories: indices with their names as ticks
+        const cats = [...new Set(values.map(v => JSON.stringify(v)))];
+        dims.push({label: plain(row.key), values: values.map(v => cats.indexOf(JSON.stringify(v))),
+                   tickvals: cats.map((_, i) => i), ticktext: cats.map(c => c.replace(/^"|"$/g, ""))});
+      }
+    }
+    const outcome = (label, key) => {
+      const values = runs.map(r => rows[r.id][key]);
+      if (values.some(v => v !== null && v !== undefined)) dims.push({label, values: values.map(v => v ?? NaN)});
+    };
+    outcome("final reward", "final_reward");
+    outcome("best eval", "best_eval");
+    outcome("tokens/s", "tokens_per_s");
+    outcome("time to target (s)", "time_to_target_s");
+    if (dims.length < 2) {
+      box.replaceChildren(el("p", {class: "help"}, "Parallel coordinates need at least two differing fields or outcomes."));
+      return;
+    }
+    const color = runs.map(r => rows[r.id].final_reward ?? 0);
+    Plotly.react(box, [{type: "parcoords", dimensions: dims,
+                        line: {color, colorscale: "Viridis", showscale: true, colorbar: {title: {text: "final reward"}}}}],
+                 {margin: {l: 60, r: 60, t: 40, b: 20}}, PLOT_CONFIG);
+  }
+  async function drawCompare(cfg, state, target) {
+    const keys = [...new Set(cfg.charts.flatMap(c => c[1]))];
+    const q = `ids=${cfg.run_ids.join(",")}&keys=${encodeURIComponent(keys.join(","))}&buckets=300&x=${state.x}` +
+              (target !== "" ? `&target=${encodeURIComponent(target)}` : "");
+    const data = await getJSON(`/api/runs/compare/?${q}`);
+    const names = Object.fromEntries(data.runs.map(r => [r.id, r.name]));
+    const container = document.getElementById("charts");
+    cfg.charts.forEach(([title, ks], i) => {
+      const t = [];
+      cfg.run_ids.forEach((id, ri) => {
+        const byKey = Object.fromEntries(data.series[id].map(s => [s.key, s]));
+        ks.forEach(k => {
+          if (byKey[k] && byKey[k].step.length) {
+            const extra = cfg.focus === null || cfg.focus === undefined ? {}
+              : id === cfg.focus ? {width: 3} : {width: 1.2, dash: "dot"};
+            t.push(...traces(byKey[k], names[id], COLORS[ri % COLORS.length], state, extra));
+          }
+        });
+      });
+      Plotly.react(ensureDiv(container, "chart-" + i), t, layout(title, !t.length, state.x), PLOT_CONFIG);
+    });
+    summaryTable(data.summary, cfg.focus);
+    parcoords(data);
+    return data;
+  }
+
   window.oolong = {
-    runPage(runId, charts, live) {
-      const container = document.getElementById("charts");
+    runPage(cfg) {
       const sel = document.getElementById("traj-step");
+      let state;
       const tick = async () => {
-        await drawRun(runId, charts, container);
-        await drawTrajectories(runId, sel && sel.value);
-        const run = await getJSON(`/api/runs/${runId}/`);
-        document.getElementById("run-status").textContent = run.status;
-        document.getElementById("run-status").className = "status " + run.status;
-        if (live) await refreshEvents(runId);
+        await drawRun(cfg.run_id, cfg.groups, state);
+        await drawTrajectories(cfg.run_id, sel && sel.value);
+        const run = await getJSON(`/api/runs/${cfg.run_id}/`);
+        const badge = document.getElementById("run-status");
+        badge.textContent = run.status;
+        badge.className = "status " + run.status;
+        if (cfg.live) await refreshEvents(cfg.run_id);
         return run;
       };
-      if (sel) sel.addEventListener("change", () => drawTrajectories(runId, sel.value));
+      state = controls("run", () => drawRun(cfg.run_id, cfg.groups, state));
+      if (sel) sel.addEventListener("change", () => drawTrajectories(cfg.run_id, sel.value));
       tick().then(run => {
-        if (!live) return;
+        if (!cfg.live) return;
         const timer = setInterval(async () => {
           const r = await tick();
           if (["succeeded", "failed", "cancelled"].includes(r.status)) clearInterval(timer);
         }, 3000);
       });
     },
-    async comparePage(runIds, charts) {
-      const container = document.getElementById("charts");
-      const keys = [...new Set(charts.flatMap(c => c[1]))];
-      const data = await getJSON(`/api/runs/compare/?ids=${runIds.join(",")}&keys=${encodeURIComponent(keys.join(","))}&buckets=300`);
-      const names = Object.fromEntries(data.runs.map(r => [r.id, r.name]));
-      charts.forEach(([title, ks], i) => {
-        const t = [];
-        runIds.forEach((id, ri) => {
-          const byKey = Object.fromEntries(data.series[id].map(s => [s.key, s]));
-          ks.forEach((k, ki) => {
-            if (byKey[k] && byKey[k].step.length)
-              t.push({x: byKey[k].step, y: byKey[k].mean, mode: "lines", name: `${names[id]} ${k}`,
-                      line: {color: COLORS[ri % COLORS.length], dash: ["solid", "dot", "dash"][ki % 3]}});
-          });
-        });
-        Plotly.react(ensureDiv(container, "chart-" + i), t, layout(title, !t.length), {displayModeBar: false, responsive: true});
-      });
+    comparePage(cfg) {
+      const target = document.getElementById("target");
+      let state;
+      const draw = () => drawCompare(cfg, state, target.value.trim());
+      state = controls("compare", draw);
+      target.addEventListener("change", draw);
+      draw();
       const onlyDiff = document.getElementById("only-diff");
-      onlyDiff.addEventListener("change", e =>
+      if (onlyDiff) onlyDiff.addEventListener("change", e =>
         document.getElementById("diff-table").classList.toggle("only-diff", e.target.checked));
     },
   };
@@ -127,7 +285,7 @@
     const config = document.getElementById("page-config");
     if (!config) return;
     const page = JSON.parse(config.textContent);
-    if (page.page === "run") window.oolong.runPage(page.run_id, page.charts, page.live);
-    if (page.page === "compare") window.oolong.comparePage(page.run_ids, page.charts);
+    if (page.page === "run") window.oolong.runPage(page);
+    if (page.page === "compare") window.oolong.comparePage(page);
   });
 })();
