@@ -10,7 +10,7 @@
    (500 buckets, min/max/mean per bucket in SQL, from the rollup blocks) and, as the naive
    baseline, point by point. p95 latencies in ms, plus the downsampled query through the API.
 3. The sweep's comparison as the compare page asks for it: /api/runs/compare/ over its 10 runs
-   with the page's 7 chart keys, 300 buckets, the summary (final and best eval, time to target,
+   with the page's 7 chart keys and bucket count (COMPARE_BUCKETS), the summary (final and best eval, time to target,
    tokens/s), on the step and on the wall-time axis. Aim: p95 under the chart aim (200 ms).
 
 Uses the database named by --database-url (default: a scratch `oolong_bench` database on the
@@ -98,7 +98,7 @@ def main() -> int:
 
     from training_core.launch import free_port
     from webapp.accounts.services import project_create, token_get_or_create, user_create
-    from webapp.dashboard.charts import COMPARE_CHARTS
+    from webapp.dashboard.charts import COMPARE_BUCKETS, COMPARE_CHARTS
     from webapp.datasets.services import dataset_create_builtin
     from webapp.rewards.services import reward_function_create
     from webapp.runs.services import run_create
@@ -196,12 +196,13 @@ def main() -> int:
             x = "step" if i % 2 == 0 else "time"
             t = time.perf_counter()
             resp = user_api.get("/api/runs/compare/", params={"ids": ids, "keys": compare_keys,
-                                                              "buckets": 300, "x": x})
+                                                              "buckets": COMPARE_BUCKETS, "x": x})
             compare_ms[x].append((time.perf_counter() - t) * 1000)
             resp.raise_for_status()
             body = resp.json()
             assert len(body["summary"]["rows"]) == chart_runs
-            assert all(len(s["x"]) <= 300 for series in body["series"].values() for s in series)
+            assert all(len(s["x"]) <= COMPARE_BUCKETS for series in body["series"].values()
+                       for s in series)
     finally:
         server.terminate()
         server.wait(timeout=10)

@@ -30,6 +30,10 @@ def ingest(run):  # noqa: F811
 
 @pytest.mark.parametrize("path,body,field", [
     ("/api/ingest/metrics/", {"points": [{"key": "loss", "step": BIG, "value": 1}]}, "points[0].step"),
+    # A step of 1.5 was once stored as step 1.
+    ("/api/ingest/metrics/", {"points": [{"key": "loss", "step": 1, "value": 1},
+                                         {"key": "loss", "step": 1.5, "value": 1}]}, "points[1].step"),
+    ("/api/ingest/metrics/", {"points": [{"key": "loss", "step": 1, "value": 1}, 7]}, "points[1]"),
     ("/api/ingest/metrics/", {"points": [{"key": "loss", "step": 1, "value": 1, "time": "x"}]},
      "points[0].time"),
     ("/api/ingest/trajectories/", {"samples": [{"step": BIG, "prompt": "p", "completion": "c",

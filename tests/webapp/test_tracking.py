@@ -53,7 +53,7 @@ def test_nan_points_are_skipped_and_bad_points_named(run):
     assert metrics_ingest(run=run, points=[{"key": "loss", "step": 1, "value": float("nan")}]) == 0
     with pytest.raises(ApplicationError) as err:
         metrics_ingest(run=run, points=[{"key": "loss", "step": "x", "value": 1}])
-    assert err.value.errors[0]["field"] == "points[0]"
+    assert err.value.errors[0]["field"] == "points[0].step"
 
 
 def test_series_downsampling_min_max_mean(run):

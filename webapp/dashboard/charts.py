@@ -40,6 +40,10 @@ RUN_CHART_GROUPS: list[tuple[str, str, list[Chart]]] = [
     ("version", "Policy version", [("Weight version", ["version"])]),
 ]
 
+# Points per line on the compare page: up to 20 runs on one chart, each line ~450 px wide.
+COMPARE_BUCKETS = 200
+RUN_BUCKETS = 400
+
 # The comparison overlays one metric per chart, one line per run.
 COMPARE_CHARTS: list[Chart] = [
     ("Reward (mean sampled)", ["reward/mean"]),

@@ -16,7 +16,7 @@ from webapp.accounts.selectors import project_get_for_user, project_list
 from webapp.core.errors import ApplicationError
 from webapp.core.spec_yaml import spec_to_yaml
 from webapp.core.uploads import upload_check
-from webapp.dashboard.charts import COMPARE_CHARTS, RUN_CHART_GROUPS
+from webapp.dashboard.charts import COMPARE_BUCKETS, COMPARE_CHARTS, RUN_BUCKETS, RUN_CHART_GROUPS
 from webapp.dashboard.formatting import glance_items, grouped_metrics
 from webapp.dashboard.forms import (
     CloneForm,
@@ -89,7 +89,8 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "run": run, "metric_groups": grouped_metrics(latest),
         "glance": glance_items(run_glance(run=run, latest=latest)),
         "events": run_event_recent(run=run), "live": live, "chart_groups": groups,
-        "page_config": {"page": "run", "run_id": run.id, "groups": groups, "live": live},
+        "page_config": {"page": "run", "run_id": run.id, "groups": groups, "live": live,
+                        "buckets": RUN_BUCKETS},
         "raw_metrics": latest_metric_rows(run=run),
         "eta": (run.spec.get("rollout") or {}).get("max_staleness", 0),
         "steps": trajectory_steps(run=run),
@@ -137,7 +138,7 @@ def run_sync_sweep_view(request: HttpRequest, run_id: int) -> HttpResponse:
 def _compare_context(runs: list[Run], focus: int | None) -> dict:
     return {"runs": runs, "diff": run_config_diff(runs=runs) if len(runs) >= 2 else [],
             "page_config": {"page": "compare", "run_ids": [r.id for r in runs], "focus": focus,
-                            "charts": COMPARE_CHARTS}}
+                            "charts": COMPARE_CHARTS, "buckets": COMPARE_BUCKETS}}
 
 
 @login_required

@@ -97,11 +97,11 @@
   const PLOT_CONFIG = {displayModeBar: false, responsive: true};
 
   // ---- the run page ------------------------------------------------------------------------
-  async function drawRun(runId, groups, state) {
-    const visible = groups.filter(g => !state.hidden.includes(g.id));
+  async function drawRun(cfg, state) {
+    const visible = cfg.groups.filter(g => !state.hidden.includes(g.id));
     const keys = [...new Set(visible.flatMap(g => g.charts.flatMap(c => c[1])))];
     if (!keys.length) return;
-    const data = await getJSON(`/api/runs/${runId}/metrics/?keys=${encodeURIComponent(keys.join(","))}&buckets=400&x=${state.x}`);
+    const data = await getJSON(`/api/runs/${cfg.run_id}/metrics/?keys=${encodeURIComponent(keys.join(","))}&buckets=${cfg.buckets}&x=${state.x}`);
     const byKey = Object.fromEntries(data.series.map(s => [s.key, s]));
     for (const group of visible) {
       const container = document.getElementById("charts-" + group.id);
@@ -219,7 +219,7 @@
   }
   async function drawCompare(cfg, state, target) {
     const keys = [...new Set(cfg.charts.flatMap(c => c[1]))];
-    const q = `ids=${cfg.run_ids.join(",")}&keys=${encodeURIComponent(keys.join(","))}&buckets=300&x=${state.x}` +
+    const q = `ids=${cfg.run_ids.join(",")}&keys=${encodeURIComponent(keys.join(","))}&buckets=${cfg.buckets}&x=${state.x}` +
               (target !== "" ? `&target=${encodeURIComponent(target)}` : "");
     const data = await getJSON(`/api/runs/compare/?${q}`);
     const names = Object.fromEntries(data.runs.map(r => [r.id, r.name]));
@@ -248,7 +248,7 @@
       const sel = document.getElementById("traj-step");
       let state;
       const tick = async () => {
-        await drawRun(cfg.run_id, cfg.groups, state);
+        await drawRun(cfg, state);
         await drawTrajectories(cfg.run_id, sel && sel.value);
         const run = await getJSON(`/api/runs/${cfg.run_id}/`);
         const badge = document.getElementById("run-status");
@@ -257,7 +257,7 @@
         if (cfg.live) await refreshEvents(cfg.run_id);
         return run;
       };
-      state = controls("run", () => drawRun(cfg.run_id, cfg.groups, state));
+      state = controls("run", () => drawRun(cfg, state));
       if (sel) sel.addEventListener("change", () => drawTrajectories(cfg.run_id, sel.value));
       tick().then(run => {
         if (!cfg.live) return;
