@@ -228,11 +228,16 @@ def cmd_sweep_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _server_parser(sub: argparse._SubParsersAction, name: str, help: str) -> argparse._SubParsersAction:
+    """``oolong <name>`` with the server options; returns its subcommands."""
+    parser = sub.add_parser(name, help=help)
+    parser.add_argument("--url", help="server URL (OOLONG_URL)")
+    parser.add_argument("--token", help="API token (OOLONG_TOKEN)")
+    return parser.add_subparsers(dest=f"{name}_command", required=True)
+
+
 def add_sweeps_parser(sub: argparse._SubParsersAction) -> None:
-    sweeps = sub.add_parser("sweeps", help="groups of runs that differ in one or two fields")
-    sweeps.add_argument("--url", help="server URL (OOLONG_URL)")
-    sweeps.add_argument("--token", help="API token (OOLONG_TOKEN)")
-    ss = sweeps.add_subparsers(dest="sweeps_command", required=True)
+    ss = _server_parser(sub, "sweeps", "groups of runs that differ in one or two fields")
     c = ss.add_parser("create", help="one run per combination of the --vary values, launched together")
     c.add_argument("--vary", action="append", required=True, metavar="FIELD=V1,V2,...",
                    help="a field to vary and its values; once or twice")
@@ -260,10 +265,7 @@ def add_sweeps_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_runs_parser(sub: argparse._SubParsersAction) -> None:
-    runs = sub.add_parser("runs", help="manage runs on an Oolong server (REST API)")
-    runs.add_argument("--url", help="server URL (OOLONG_URL)")
-    runs.add_argument("--token", help="API token (OOLONG_TOKEN)")
-    rs = runs.add_subparsers(dest="runs_command", required=True)
+    rs = _server_parser(sub, "runs", "manage runs on an Oolong server (REST API)")
     c = rs.add_parser("create", help="create a run from a YAML spec")
     c.add_argument("--project", type=int, required=True)
     c.add_argument("--dataset-version", type=int, required=True)

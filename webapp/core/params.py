@@ -20,6 +20,20 @@ def int_param(request, name: str) -> int | None:
     return value
 
 
+def paginated(request, view, queryset, serializer, *, max_limit: int):
+    """A list API's page (``?limit=&offset=``, DRF's limit/offset shape). DRF's paginator
+    ignores bad values; they are 400s here, like every other parameter."""
+    from rest_framework.pagination import LimitOffsetPagination
+
+    int_param(request, "offset")
+    if int_param(request, "limit") == 0:
+        raise ValidationError({"limit": "must be at least 1"})
+    page = LimitOffsetPagination()
+    page.max_limit = max_limit
+    items = page.paginate_queryset(queryset, request, view=view)
+    return page.get_paginated_response(serializer(items, many=True).data)
+
+
 def choice_param(request, name: str, choices: list[str]) -> str | None:
     raw = request.query_params.get(name)
     if raw is not None and raw not in choices:

@@ -1,12 +1,11 @@
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
-from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from webapp.core.fields import BoundedText
-from webapp.core.params import choice_param, int_param
+from webapp.core.params import choice_param, int_param, paginated
 from webapp.core.schema import PROJECT_FILTER, ErrorItem, errors, int_query, str_query
 from webapp.accounts.selectors import project_get_for_user
 from webapp.datasets.selectors import dataset_version_get
@@ -76,13 +75,7 @@ class RunListApi(APIView):
         qs = run_list(user=request.user, project_id=int_param(request, "project"),
                       status=choice_param(request, "status", list(Run.Status.values)),
                       search=q.get("search"))
-        int_param(request, "offset")  # the paginator ignores bad values: refuse them instead
-        if int_param(request, "limit") == 0:
-            raise ValidationError({"limit": "must be at least 1"})
-        page = LimitOffsetPagination()
-        page.max_limit = 1000
-        items = page.paginate_queryset(qs, request, view=self)
-        return page.get_paginated_response(RunOutput(items, many=True).data)
+        return paginated(request, self, qs, RunOutput, max_limit=1000)
 
 
 class RunCreateApi(APIView):

@@ -1,13 +1,11 @@
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
-from rest_framework.exceptions import ValidationError
-from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from webapp.accounts.selectors import project_get_for_user
 from webapp.core.fields import BoundedText
-from webapp.core.params import int_param
+from webapp.core.params import int_param, paginated
 from webapp.core.schema import PROJECT_FILTER, errors, int_query
 from webapp.datasets.selectors import dataset_version_get
 from webapp.rewards.selectors import reward_version_get
@@ -117,13 +115,7 @@ class SweepListApi(APIView):
         int_query("offset", "first item")], responses={200: PageOutput, **errors(400, 401)})
     def get(self, request):
         qs = sweep_list(user=request.user, project_id=int_param(request, "project"))
-        int_param(request, "offset")  # the paginator ignores bad values: refuse them instead
-        if int_param(request, "limit") == 0:
-            raise ValidationError({"limit": "must be at least 1"})
-        page = LimitOffsetPagination()
-        page.max_limit = 200
-        items = page.paginate_queryset(qs, request, view=self)
-        return page.get_paginated_response(SweepOutput(items, many=True).data)
+        return paginated(request, self, qs, SweepOutput, max_limit=200)
 
 
 class SweepDetailApi(APIView):
