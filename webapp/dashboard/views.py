@@ -49,6 +49,7 @@ from webapp.runs.selectors import (
     run_list,
     run_spec_fields,
     run_spec_overrides,
+    runs_get,
 )
 from webapp.runs.services import run_cancel, run_create, run_resume
 from webapp.sweeps.selectors import sweep_get, sweep_list, sweep_runs
@@ -152,7 +153,7 @@ def run_compare(request: HttpRequest) -> HttpResponse:
             ids = form.run_ids(request.GET.getlist("ids"))
         except forms.ValidationError as exc:
             errors = [{"field": "ids", "message": exc.messages[0]}]
-    runs = [run_get(user=request.user, run_id=i) for i in ids[:20]]
+    runs = runs_get(user=request.user, run_ids=ids[:20])
     focus = runs[0].id if len(runs) == 1 else None
     if len(runs) == 1 and runs[0].sweep_id:
         runs = sweep_runs(sweep=runs[0].sweep)
@@ -163,9 +164,8 @@ def run_compare(request: HttpRequest) -> HttpResponse:
 
 @login_required
 def sweep_list_view(request: HttpRequest) -> HttpResponse:
-    sweeps = list(sweep_list(user=request.user)[:200])
     return render(request, "dashboard/sweep_list.html", {
-        "rows": [{"sweep": s, "runs": sweep_runs(sweep=s)} for s in sweeps]})
+        "sweeps": sweep_list(user=request.user, with_runs=True)[:200]})
 
 
 @login_required
