@@ -38,12 +38,8 @@ def run_spec_check(*, user, spec: dict[str, Any] | None = None,
     checked field by field with the same messages as ``run_create`` (SpecError's, and the
     administrator-only fields), without creating anything. Returns ``{"valid", "errors",
     "spec" (the mapping), "yaml" (its text), "resolved" (the full spec, or None)}``."""
-    from training_core.config import SpecError, spec_from_dict
     from webapp.core.spec_yaml import spec_from_yaml, spec_to_yaml
-    from webapp.runs.policy import infrastructure_fields
 
-    errors: list[dict[str, Any]] = []
-    resolved = None
     if text is not None:
         try:
             spec = spec_from_yaml(text)
@@ -51,17 +47,14 @@ def run_spec_check(*, user, spec: dict[str, Any] | None = None,
             return {"valid": False, "errors": exc.errors, "spec": None, "yaml": text,
                     "resolved": None}
     spec = dict(json_check(spec or {}, "spec"))
+    answer = {"valid": True, "errors": [], "spec": spec,
+              "yaml": text if text is not None else spec_to_yaml(spec), "resolved": None}
     try:
-        resolved = spec_from_dict(spec).model_dump(mode="json")
-    except SpecError as exc:
-        errors = [{"field": f"spec.{k}", "message": v} for k, v in exc.errors.items()]
-    if resolved is not None and not getattr(user, "is_staff", False):
-        errors = [{"field": f"spec.{f}", "message": "administrators only: use the default or "
-                                                    "ask an administrator"}
-                  for f in infrastructure_fields(resolved)]
-    return {"valid": not errors, "errors": errors, "spec": spec,
-            "yaml": text if text is not None else spec_to_yaml(spec),
-            "resolved": resolved if not errors else None}
+        answer["resolved"] = run_spec_validate(spec=spec)
+        check_spec_allowed(user=user, spec=answer["resolved"])
+    except ApplicationError as exc:
+        answer.update(valid=False, errors=exc.errors, resolved=None)
+    return answer
 
 
 @transaction.atomic
