@@ -62,6 +62,7 @@ X_AXES = ("step", "time", "tokens")
 # most about 2.7 x buckets rows per key (the levels are 4x apart).
 LEVEL_SLACK = 1.5
 TOKENS_KEY = "tokens/consumed"
+TOKENS_EXACT_UP_TO = 4096  # steps; beyond, the tokens axis reads 32-step blocks (interpolated)
 
 
 def metric_series_get(*, run: Run, key: str, buckets: int = 500, x: str = "step") -> dict[str, Any]:
@@ -171,12 +172,14 @@ class _XAxis:
         """(step, tokens consumed up to and including it), ascending: from every point for a
         short run, from the rollup blocks (their last steps) for a long one."""
         if self._tokens is None:
-            points = MetricPoint.objects.filter(run=self.run, key=TOKENS_KEY)
-            if points.count() <= 4 * 1024:
-                pairs = list(points.order_by("step").values_list("step", "value"))
+            rollups = MetricRollup.objects.filter(run=self.run, key=TOKENS_KEY)
+            count = rollups.filter(level=len(ROLLUP_LEVELS) - 1).aggregate(n=Sum("n"))["n"] or 0
+            if count <= TOKENS_EXACT_UP_TO:
+                pairs = list(MetricPoint.objects.filter(run=self.run, key=TOKENS_KEY)
+                             .order_by("step").values_list("step", "value"))
             else:
-                pairs = list(MetricRollup.objects.filter(run=self.run, key=TOKENS_KEY, level=0)
-                             .order_by("block").values_list("last_step", "total"))
+                pairs = list(rollups.filter(level=0).order_by("block")
+                             .values_list("last_step", "total"))
             steps, totals, total = [], [], 0.0
             for step, value in pairs:
                 total += value
