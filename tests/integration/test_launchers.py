@@ -32,9 +32,9 @@ def test_resume_uses_the_run_directory(tmp_path):
 def test_a_step_bounded_warm_start_is_reproducible_and_made_once(tmp_path):
     """model.warm_start_steps bounds the warm start by steps, not by how busy the machine is:
     two warm starts of the same spec give the same weights; a finished one is not made again."""
+    from orchestration.launchers import warm_start
     from safetensors.torch import load_file
 
-    from orchestration.launchers import warm_start
     from training_core.config import dump_spec, spec_from_dict
 
     spec = spec_from_dict({"model": {"warm_start_seconds": 600, "warm_start_steps": 3},

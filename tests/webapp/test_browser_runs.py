@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.webapp.test_browser import ARTIFACTS, CHROMIUM, _login, browser_page  # noqa: F401
 from tests.webapp.conftest import QA_ROWS, jsonl
+from tests.webapp.test_browser import ARTIFACTS, CHROMIUM, _login, browser_page  # noqa: F401
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
