@@ -160,7 +160,9 @@ class PlacedRun:
         with it, and nobody reports its flow runs' end), or a cancel."""
         timeout = self.spec.orchestration.heartbeat_timeout_s
         last_seen = [time.monotonic()] * len(self.urls)
-        last_step, progressed = None, time.monotonic()
+        unread = object()
+        first_step = last_step = unread  # first_step: where this attempt started (a resume's)
+        progressed = time.monotonic()
         while True:
             now = time.monotonic()
             for i, url in enumerate(self.urls):
@@ -181,13 +183,18 @@ class PlacedRun:
                 info = {}
             if info.get("cancel_requested"):
                 return Outcome("cancelled", "cancelled by user")
-            # A trainer node that dies reports nothing either: once steps come, they must keep
-            # coming (before the first one, startup time is the flow runs' own business).
-            if info and info.get("last_step") != last_step:
-                last_step, progressed = info.get("last_step"), now
-            elif last_step is not None and now - progressed > timeout:
-                return Outcome("failed", f"the trainer ({', '.join(p.what for p in self.trainers)}) "
-                                         f"made no progress for {timeout:.0f}s")
+            # A trainer node that dies reports nothing either: once this attempt's steps come,
+            # they must keep coming (before its first one, startup time, a resumed run's
+            # checkpoint download included, is the flow runs' own business).
+            if info:
+                step = info.get("last_step")
+                if first_step is unread:
+                    first_step = step
+                if step != last_step:
+                    last_step, progressed = step, now
+                elif step != first_step and now - progressed > timeout:
+                    return Outcome("failed", f"the trainer ({', '.join(p.what for p in self.trainers)}) "
+                                             f"made no progress for {timeout:.0f}s")
             time.sleep(poll_s)
 
     def server_versions(self) -> list[str]:

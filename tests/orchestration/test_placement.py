@@ -43,3 +43,47 @@ def test_static_provider_reads_the_deployments_node_list():
     assert [(n.address, n.gpus) for n in inv.nodes] == [("10.0.0.5", 8), ("10.0.0.6", 8)]
     with pytest.raises(RuntimeError, match="OOLONG_STATIC_NODES"):
         StaticNodeProvider("").provision(7, {})
+
+
+class _Tracker:
+    """The web app's answers about the run: its last trained step, as a trainer reports."""
+
+    def __init__(self, steps):
+        self.steps = steps  # a function of the seconds since the start
+
+    def run_info(self) -> dict:
+        import time
+
+        return {"last_step": self.steps(time.monotonic() - self.start)}
+
+
+def _supervised(monkeypatch, steps, timeout_s: float):
+    import time
+    from uuid import uuid4
+
+    from orchestration.placed import PlacedProcess, PlacedRun, Placement
+
+    spec = load_spec(None, [f"orchestration.heartbeat_timeout_s={timeout_s}"])
+    run = PlacedRun(1, "http://web", "token", spec, _nodes(2), Placement([0], []), "pool")
+    run.trainers = [PlacedProcess("trainer node 0 on node-0", 0, uuid4())]
+    monkeypatch.setattr(PlacedRun, "_state", lambda self, p: ("RUNNING", ""))
+    tracker = _Tracker(steps)
+    tracker.start = time.monotonic()
+    outcome = run.supervise(tracker, poll_s=0.02)
+    return outcome, time.monotonic() - tracker.start
+
+
+def test_a_resumed_trainer_may_start_slowly_but_then_must_keep_stepping(monkeypatch):
+    """A resumed run's tracker already has the last attempt's steps: the progress clock starts
+    at this attempt's first new step, not at the old ones (a slow checkpoint download on a
+    fresh node once failed a resume as 'made no progress')."""
+    outcome, took = _supervised(monkeypatch, lambda t: 7 if t < 1.0 else 8, timeout_s=0.3)
+    assert outcome.status == "failed" and "made no progress for 0s" in outcome.reason
+    assert "trainer node 0 on node-0" in outcome.reason
+    assert 1.2 <= took < 3.0, took  # not at 0.3 s on the old step 7; 0.3 s after step 8
+
+
+def test_a_fresh_trainer_that_stops_stepping_fails_the_run(monkeypatch):
+    outcome, took = _supervised(monkeypatch, lambda t: None if t < 0.5 else (1 if t < 0.7 else 2),
+                                timeout_s=0.3)
+    assert outcome.status == "failed" and took >= 0.9
