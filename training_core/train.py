@@ -486,8 +486,8 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
             first_eval = executor.run_coro(evaluate(client, ctx, eval_rows, spec.rollout.max_new_tokens))
             sink.log(0, {**first_eval, "version": 0})
 
+        step_start = time.perf_counter()
         for step in range(first_step, spec.trainer.steps + 1):
-            step_start = time.perf_counter()
 
             # 1. Take the oldest B finished groups (blocks only if generation is behind).
             with timers("wait_rollout"):
@@ -517,11 +517,10 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
             version += 1
             executor.kick()  # the staleness bound just moved: start more episodes
 
-            # 7. Checkpoint, evaluate, log: generation is already running again.
-            saved = checkpoint_if_due(trainer, spec, run_dir, step, version,
-                                      executor.resume_state, timers)
-            if saved is not None:
-                sink.checkpoint(step, version, str(saved.resolve()))
+            # 7. Evaluate, log, then checkpoint: generation is already running again. The step's
+            #    line is written before its checkpoint completes, so a complete checkpoint of step
+            #    N always has step N's metrics (a resume drops the lines after its checkpoint and
+            #    trains those steps again). Checkpoint time lands in the next step's time/*.
             if spec.eval.every and eval_rows and (step % spec.eval.every == 0
                                                   or step == spec.trainer.steps):
                 with timers("eval"):
@@ -532,11 +531,16 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
             metrics.update(step_metrics(batch, stats, version=version,
                                         running=staleness.stats().running,
                                         step_time=time.perf_counter() - step_start))
+            step_start = time.perf_counter()
             metrics.update(timers.pop())
             metrics.update(profile.sample())
             sink.log(step, metrics)
             sink.trajectories(step, sample_records(batch.groups, tokenizer, n=4,
                                                    extract=spec.reward.extract))
+            saved = checkpoint_if_due(trainer, spec, run_dir, step, version,
+                                      executor.resume_state, timers)
+            if saved is not None:
+                sink.checkpoint(step, version, str(saved.resolve()))
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", v=version,
                             stale=f"{metrics['staleness/mean']:.2f}",

@@ -29,19 +29,41 @@ SMALL = [
 
 
 @pytest.mark.slow
+class _CheckpointWatch:
+    """A sink that notes, when a checkpoint is reported (it is complete by then), which steps
+    metrics.jsonl already holds."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.seen = run_dir, {}
+
+    def checkpoint(self, step: int, version: int, path: str) -> None:
+        self.seen[step] = [r["step"] for r in read_metrics(self.run_dir)]
+
+    def log(self, *a, **k) -> None: ...
+    def event(self, *a, **k) -> None: ...
+    def trajectories(self, *a, **k) -> None: ...
+    def status(self, *a, **k) -> None: ...
+    def close(self) -> None: ...
+
+
 def test_async_steps_versions_staleness_and_weights_reach_the_server(tiny_model_dir, tmp_path):
+    from training_core.metrics import JsonlSink, MultiSink
     from training_core.train import train
 
     fleet, url = start_server(tiny_model_dir, tmp_path / "server.log")
+    watch = _CheckpointWatch(tmp_path / "run")
     try:
         spec = load_spec(None, SMALL + [
             f"run_dir={tmp_path / 'run'}", f"rollout.server_urls=[{url}]", "trainer.steps=4",
             "rollout.max_staleness=1", "rollout.max_token_staleness=1", "checkpoint.every=2",
             "eval.every=2"])
-        result = train(spec, progress=False)
+        result = train(spec, progress=False, sink=MultiSink([JsonlSink(tmp_path / "run"), watch]))
         info = httpx.get(url + "/model_info").json()
     finally:
         fleet.stop()
+    # A complete checkpoint of step N always has step N's metrics line: a run killed right after
+    # it resumes at N + 1 and must not leave a hole (the line used to come after the checkpoint).
+    assert set(watch.seen) == {2, 4} and all(step in watch.seen[step] for step in watch.seen)
 
     rows = read_metrics(result.run_dir)
     steps = [r for r in rows if r["step"] > 0]
