@@ -31,7 +31,6 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,16 +181,9 @@ class RolloutExecutor:
         with self._cond:
             return len(self._outstanding) - len(self._done)
 
-    def prepare_batch(self, batch_groups: int, version: int, timeout_s: float | None = None,
-                      on_wait: Callable[[], None] | None = None) -> Batch:
-        """Block until ``batch_groups`` groups are ready; take the oldest. ``on_wait`` runs once,
-        outside the lock, if the batch is not ready yet."""
+    def prepare_batch(self, batch_groups: int, version: int, timeout_s: float | None = None) -> Batch:
+        """Block until ``batch_groups`` groups are ready; take the oldest."""
         start = time.perf_counter()
-        if on_wait is not None:
-            with self._cond:
-                ready = len(self._done) >= batch_groups
-            if not ready:
-                on_wait()
         with self._cond:
             while len(self._done) < batch_groups:
                 if self._errors:

@@ -259,17 +259,3 @@ def test_unpaused_weight_update_waits_for_requests_in_flight(tiny_model_dir, tmp
         assert after["meta_info"]["weight_version"] == "1"
     finally:
         fleet.stop()
-
-
-def test_a_trainer_can_lend_its_threads_to_the_engine(server):
-    """POST /oolong/threads (the embedded server's own endpoint) sets the decode threads from the
-    engine's next step; generation keeps working; bad values are 422s."""
-    try:
-        assert httpx.post(server + "/oolong/threads", json={"threads": 2}).json()["success"]
-        generate(server, [5, 6, 7], max_new_tokens=3, temperature=0.0)  # applied at a step
-        assert httpx.get(server + "/server_info").json()["threads"] == 2
-    finally:
-        httpx.post(server + "/oolong/threads", json={"threads": 1})
-        generate(server, [5, 6, 7], max_new_tokens=1, temperature=0.0)
-    assert httpx.get(server + "/server_info").json()["threads"] == 1
-    assert httpx.post(server + "/oolong/threads", json={"threads": 0}).status_code == 422

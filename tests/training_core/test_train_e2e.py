@@ -71,10 +71,15 @@ def test_async_steps_versions_staleness_and_weights_reach_the_server(tiny_model_
     assert [r["version"] for r in steps] == [1, 2, 3, 4]
     assert all(r["staleness/max"] <= 1 for r in steps)
     assert all(r["tokens/consumed"] > 0 and r["grad_norm"] > 0 for r in steps)
-    # The rollout side of the profile, from the server's counters.
-    assert all(0 < r["rollout/server_busy_frac"] <= 1 for r in steps)
-    assert all(r["rollout/tokens_per_s_per_server"] > 0 for r in steps)
-    assert all(1 <= r["rollout/decode_batch_mean"] <= 32 for r in steps)  # 8 groups of 4
+    # The rollout side of the profile, from the server's counters, measured off the critical
+    # path: a step reports the newest finished measurement (one step late, so not the first).
+    profiled = [r for r in steps if "rollout/server_busy_frac" in r]
+    assert len(profiled) >= len(steps) - 1
+    assert all(0 < r["rollout/server_busy_frac"] <= 1 for r in profiled)
+    assert all(r["rollout/tokens_per_s_per_server"] >= 0 for r in profiled)
+    assert any(r["rollout/tokens_per_s_per_server"] > 0 for r in profiled)
+    batches = [r["rollout/decode_batch_mean"] for r in profiled if "rollout/decode_batch_mean" in r]
+    assert batches and all(1 <= b <= 32 for b in batches)  # 8 groups of 4 (idle intervals: none)
     assert all(r["proximal/recomputed_frac"] == 0 for r in steps)  # one minibatch: own forward
     assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]
     # The last weights reached the server, tagged with their version.

@@ -37,7 +37,10 @@ def test_profile_reads_embedded_counters_and_stops_asking_other_servers():
     try:
         urls = [f"http://127.0.0.1:{s.server_port}" for s in (embedded, sglang)]
         profile = RolloutProfile(urls)
-        assert profile.sample() == {}  # the baseline
+        assert profile.sample() == {}  # starts the baseline measurement
+        profile._pending.result(timeout=30)  # a step's time passes
+        assert profile.sample() == {}  # the baseline read; the next measurement started
+        profile._pending.result(timeout=30)
         out = profile.sample()
         assert out["rollout/decode_batch_mean"] == 30  # 300 tokens over 10 decode steps
         assert out["rollout/server_busy_frac"] == 1.0  # capped at 1
@@ -46,3 +49,32 @@ def test_profile_reads_embedded_counters_and_stops_asking_other_servers():
     finally:
         embedded.shutdown()
         sglang.shutdown()
+
+
+def test_profile_never_makes_a_step_wait_for_a_slow_server():
+    """A server busy decoding answers /server_info late; the step goes on without it."""
+    answered = threading.Event()
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            answered.wait(timeout=60)
+            body = json.dumps({"busy_s": 1.0, "tokens_generated": 1, "steps": 1}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    profile = RolloutProfile([f"http://127.0.0.1:{server.server_port}"])
+    try:
+        # The server has not answered: each step gets nothing instead of waiting for it.
+        assert [profile.sample() for _ in range(3)] == [{}, {}, {}]
+        assert not profile._pending.done()
+    finally:
+        answered.set()
+        profile.close()
+        server.shutdown()

@@ -26,7 +26,7 @@ import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from training_core.engines.generation_engine import GenerationEngine, Seq
 from training_core.engines.weight_group import (
@@ -86,10 +86,6 @@ class GenerateReqIn(BaseModel):
     return_logprob: bool | list[bool] | None = None
     rid: str | list[str] | None = None
     stream: bool = False
-
-
-class ThreadsReqIn(BaseModel):
-    threads: int = Field(ge=1, le=256)
 
 
 class PauseGenerationReqIn(BaseModel):
@@ -201,13 +197,6 @@ def create_app(engine: GenerationEngine) -> FastAPI:
             f"{body.rid}-{i}" if body.rid and batch else body.rid for i in range(len(rows))]
         out = await asyncio.gather(*[_one(r, x, p) for r, x, p in zip(rids, rows, params, strict=True)])
         return out if batch else out[0]
-
-    @app.post("/oolong/threads")
-    async def set_threads(body: ThreadsReqIn):
-        """Not SGLang's: a local trainer that waits for batches lends its cores (see
-        train.ThreadShare); only called on embedded servers of the trainer's own fleet."""
-        engine.set_threads(body.threads)
-        return {"success": True, "threads": body.threads}
 
     @app.post("/pause_generation")
     async def pause_generation(body: PauseGenerationReqIn | None = None):

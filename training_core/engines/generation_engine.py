@@ -90,7 +90,6 @@ class GenerationEngine:
         self._weight_requests: list[_WeightRequest] = []
         self._flat_buffers: list[torch.Tensor] = []  # see _staging
         self._stop = False
-        self._threads_wanted: int | None = None
         self.threads = torch.get_num_threads()  # what the engine thread decodes with
         self.busy_s = 0.0  # time spent prefilling and decoding (the rollout profile's busy share)
         self.tokens_generated = 0
@@ -223,10 +222,6 @@ class GenerationEngine:
                     self._abort_all()
                     return
                 pause_acks, self._pause_requests = self._pause_requests, []
-                threads, self._threads_wanted = self._threads_wanted, None
-            if threads is not None:
-                torch.set_num_threads(threads)
-                self.threads = threads
             try:
                 if any(mode == "abort" for mode, _ in pause_acks):
                     self._abort_all()
@@ -262,13 +257,6 @@ class GenerationEngine:
             except Exception as exc:  # keep serving; fail only the requests in this batch
                 log.exception("engine step failed")
                 self._fail_active(exc)
-
-    def set_threads(self, threads: int) -> None:
-        """Torch threads for decoding from the next step on. Applied by the engine thread itself:
-        with OpenMP the count is a per-thread setting, so a request thread cannot change it."""
-        with self._cond:
-            self._threads_wanted = threads
-            self._cond.notify()
 
     def _has_work(self) -> bool:
         return bool(
