@@ -186,6 +186,10 @@ class TrainerSpec(_Section):
     ppo_minibatches: int = Field(1, ge=1, description="optimizer steps per batch")
     micro_batch_tokens: int = Field(8192, ge=1, description=(
         "tokens per forward/backward pass (packed; bounds activation memory)"))
+    share_prompts: bool = Field(True, description=(
+        "compute each distinct prompt once per micro-batch (a GRPO group's answers share one): "
+        "the same logprobs and gradients with fewer tokens of compute. Off: every row's prompt "
+        "runs again (models whose forward takes no past_key_values)"))
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="the trainer's collective backend; auto: nccl on GPUs, else gloo")
