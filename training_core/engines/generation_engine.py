@@ -7,6 +7,9 @@ Engine (one thread, owns the model):
   prefilled on their own and spliced into the batch between decode steps (their cache is
   left-padded to the batch's length), so joining never recomputes the running sequences.
   Finished rows leave the cache by index selection; left padding everyone has is trimmed.
+  Identical sequences joining together (a group's n samples of one prompt) are prefilled once
+  and share copies of that cache. An idle engine waits a few ms for the requests arriving with
+  the first one, so a trainer's burst of group requests starts as one batch.
 - ``pause_generation`` takes effect between decode steps. Mode ``abort`` (what the trainer
   uses): every request in flight or waiting returns what it has with finish reason ``abort``.
   Modes ``in_place`` and ``retract`` keep requests where they are until
@@ -38,6 +41,11 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 log = logging.getLogger("oolong.server")
+
+# An idle engine starts once no request has arrived for ADMIT_QUIET_S, at most ADMIT_WINDOW_S
+# after the first one (see GenerationEngine._gather_arrivals).
+ADMIT_QUIET_S = 0.003
+ADMIT_WINDOW_S = 0.03
 
 
 @dataclass
@@ -90,6 +98,7 @@ class GenerationEngine:
         self._weight_requests: list[_WeightRequest] = []
         self._flat_buffers: list[torch.Tensor] = []  # see _staging
         self._stop = False
+        self._last_arrival = 0.0
         self.threads = torch.get_num_threads()  # what the engine thread decodes with
         self.busy_s = 0.0  # time spent prefilling and decoding (the rollout profile's busy share)
         self.tokens_generated = 0
@@ -113,6 +122,7 @@ class GenerationEngine:
     def submit(self, seq: Seq) -> None:
         with self._cond:
             self._waiting.append(seq)
+            self._last_arrival = time.perf_counter()
             self._cond.notify()
 
     def pause(self, mode: str = "abort") -> None:
@@ -221,6 +231,7 @@ class GenerationEngine:
                 if self._stop:
                     self._abort_all()
                     return
+                self._gather_arrivals()
                 pause_acks, self._pause_requests = self._pause_requests, []
             try:
                 if any(mode == "abort" for mode, _ in pause_acks):
@@ -257,6 +268,22 @@ class GenerationEngine:
             except Exception as exc:  # keep serving; fail only the requests in this batch
                 log.exception("engine step failed")
                 self._fail_active(exc)
+
+    def _gather_arrivals(self) -> None:
+        """An idle engine about to start waits, briefly, for the requests arriving with the
+        first one (under the lock). A trainer sends a batch's groups one request at a time and
+        they arrive a few ms apart; started on the first alone, the others join one by one, each
+        join a prefill and a cache merge, and the batch decodes in several uneven waves."""
+        if self._active or not self._waiting or self._paused:
+            return
+        deadline = time.perf_counter() + ADMIT_WINDOW_S
+        while (len(self._waiting) < self.max_batch_size and not self._stop
+               and not self._pause_requests and not self._weight_requests):
+            now = time.perf_counter()
+            wait = min(self._last_arrival + ADMIT_QUIET_S, deadline) - now
+            if wait <= 0:
+                return
+            self._cond.wait(wait)
 
     def _has_work(self) -> bool:
         return bool(
@@ -339,17 +366,24 @@ class GenerationEngine:
         """Prefill ``seqs`` (left-padded together) and splice them into the running batch."""
         for s in seqs:
             s.version = self.weight_version
-        length = max(len(s.tokens) for s in seqs)
-        ids = torch.full((len(seqs), length), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), length), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            toks = s.tokens
+        # A group's n samples arrive with one prompt: prefill each distinct sequence once and
+        # give every row its copy (the same numbers as prefilling each row).
+        distinct: dict[tuple[int, ...], int] = {}
+        owner = [distinct.setdefault(tuple(s.tokens), len(distinct)) for s in seqs]
+        length = max(len(t) for t in distinct)
+        ids = torch.full((len(distinct), length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(distinct), length), dtype=torch.long)
+        for i, toks in enumerate(distinct):
             ids[i, length - len(toks):] = torch.tensor(toks)
             mask[i, length - len(toks):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         logits = self._forward(ids, mask, pos, cache)
+        if len(distinct) < len(seqs):
+            rows = torch.tensor(owner, device=self.device)
+            cache.reorder_cache(rows)
+            logits, mask = logits[rows], mask[rows]
         next_pos = mask.sum(-1)
         if self._cache is None:
             self._cache, self._mask, self._next_pos = cache, mask, next_pos
