@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any
 import httpx
 
 from training_core.api import GenerationRequest, GenerationResponse
+from training_core.engines.json_http import JsonHttpClient
 from training_core.http import aretrying
 
 log = logging.getLogger(__name__)
@@ -99,6 +101,7 @@ class RolloutClient:
         self._transport = transport  # tests put a recording or scripted transport here
         self._version = 0
         self._clients: dict[int, httpx.AsyncClient] = {}
+        self._json_clients: dict[int, JsonHttpClient] = {}  # POSTs, see _post
         self.interruptions = 0
         # An abort is an interruption only if this client paused the servers while the request
         # was in flight: ``_pauses`` counts pauses, ``_paused`` is true until generation continues.
@@ -138,11 +141,23 @@ class RolloutClient:
         return min(current, key=lambda s: s.in_flight)
 
     async def _post(self, server: _Server, path: str, payload: dict | None = None) -> Any:
-        resp = await self._client().post(server.url + path, json=payload or {})
-        if resp.status_code >= 400:
-            raise RolloutServerError(f"{server.url}{path} -> {resp.status_code}: {resp.text[:300]}",
-                                     status=resp.status_code)
-        return resp.json() if resp.content else {}
+        """POST JSON: /generate and the control calls (pause, weight loads, resume), over
+        json_http's lean keep-alive client (httpx costs the trainer's thread GIL time, see
+        json_http). Tests' scripted transports speak httpx, so with one the call goes there."""
+        if self._transport is not None:
+            resp = await self._client().post(server.url + path, json=payload or {})
+            status, body = resp.status_code, resp.content
+        else:
+            key = id(asyncio.get_running_loop())
+            client = self._json_clients.get(key)
+            if client is None:
+                client = self._json_clients[key] = JsonHttpClient(timeout_s=self.timeout_s)
+            status, body = await client.post(server.url + path, payload or {})
+        if status >= 400:
+            raise RolloutServerError(
+                f"{server.url}{path} -> {status}: {body[:300].decode(errors='replace')}",
+                status=status)
+        return json.loads(body) if body else {}
 
     async def _get(self, server: _Server, path: str) -> Any:
         resp = await self._client().get(server.url + path, timeout=10.0)
@@ -401,9 +416,13 @@ class RolloutClient:
                                      f"{expected}; launch SGLang with --weight-version {expected}")
 
     async def aclose(self) -> None:
-        client = self._clients.pop(id(asyncio.get_running_loop()), None)
+        key = id(asyncio.get_running_loop())
+        client = self._clients.pop(key, None)
         if client is not None:
             await client.aclose()
+        lean = self._json_clients.pop(key, None)
+        if lean is not None:
+            await lean.aclose()
 
 
 def _parse_version(value: object, fallback: int) -> int:
