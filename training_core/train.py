@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import statistics
 import time
@@ -224,7 +225,10 @@ class ThreadShare:
         self.base = spec.trainer.threads
         on = (spec.trainer.borrow_idle_threads and fleet is not None and world == 1
               and not torch.cuda.is_available())
-        self.idle_share = spec.rollout.server_threads * len(fleet.urls) if on else 0
+        # Never more threads than cores: several servers' threads together may exceed them.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        self.idle_share = min(spec.rollout.server_threads * len(fleet.urls),
+                              max(0, (cores or 1) - self.base)) if on else 0
         self.executor = executor
         self.borrowed = 0  # compute phases of this step that ran with the servers' threads
 
@@ -405,7 +409,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
         grad_clip=spec.trainer.grad_clip, zero_stage=spec.trainer.zero_stage,
         dtype=spec.model.dtype, dist_backend=spec.trainer.dist_backend,
         temperature=spec.rollout.temperature, micro_batch_tokens=spec.trainer.micro_batch_tokens,
-        keep_reference=algo.kl_coef > 0)
+        keep_reference=algo.kl_coef > 0, share_prompts=spec.trainer.share_prompts)
     rank, world = rank_and_world()
     sync = make_weight_sync(spec.weight_sync, run_dir)
     if rank != 0:  # data-parallel ranks train on their shard; rank 0 owns everything else

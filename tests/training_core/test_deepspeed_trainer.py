@@ -168,7 +168,8 @@ def test_proximal_pass_recomputes_stale_rows_and_keeps_fresh_ones(trainer):
     assert load_spec(None, ["trainer.recompute_proximal=false"]).trainer.recompute_proximal == "never"
 
 
-def test_trainer_borrows_the_servers_threads_only_while_they_idle():
+def test_trainer_borrows_the_servers_threads_only_while_they_idle(monkeypatch):
+    import os
     from types import SimpleNamespace
 
     from training_core.config import load_spec
@@ -179,10 +180,14 @@ def test_trainer_borrows_the_servers_threads_only_while_they_idle():
     in_flight = [0]
     executor = SimpleNamespace(in_flight=lambda: in_flight[0])
     before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     try:
         share = ThreadShare(spec, fleet, executor, world=1)
         share.update()
         assert torch.get_num_threads() == 3  # its own and both idle servers'
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+        ThreadShare(spec, fleet, executor, world=1).update()
+        assert torch.get_num_threads() == 2, "never more threads than cores"
         in_flight[0] = 5
         share.update()
         assert torch.get_num_threads() == 1  # generation runs: give them back
