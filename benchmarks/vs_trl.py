@@ -4,11 +4,16 @@ and machine, in one run.
 Three systems per workload, each in its own process, one after the other, all from the same
 warm-started weights:
 - ``trl``: TRL's ``GRPOTrainer`` (synchronous, one process), torch with 2 threads;
-- ``oolong_sync``: Oolong with ``rollout.max_staleness=0`` (synchronous RL);
-- ``oolong_async``: Oolong with ``rollout.max_staleness=2``.
-Equal cores: this machine's 2. TRL gets both as torch threads in its one process. Oolong runs two
-processes (the embedded rollout server and the trainer); each gets its share from the engine
-(``OMP_NUM_THREADS=1`` each, see README "Performance").
+- ``oolong_sync``: Oolong with ``rollout.max_staleness=0`` (synchronous RL), two rollout servers;
+- ``oolong_async``: Oolong with ``rollout.max_staleness=2``, one rollout server.
+Equal cores: this machine's 2. TRL gets both as torch threads in its one process. Oolong runs
+one thread per process (the embedded rollout servers and the trainer) and the trainer borrows
+the idle servers' threads, never more than the cores (README "How the asynchronous loop
+works"). Synchronous Oolong runs two servers because generation and training take turns there:
+during generation the trainer's core would idle, and a second decode thread in one server buys
+little for a small model (its decode step is mostly per-step overhead), while a second server
+halves each one's batch (generation wait 0.082-0.095 s -> 0.065-0.076 s per demo step, three
+back-to-back pairs). Asynchronously the trainer computes all the time, so one server.
 
 Workloads: ``demo`` (configs/demo.yaml's task: two-number sums, 8 prompts x 16 samples, 12 new
 tokens) and ``long_tail`` (async_vs_sync.py's task: running sums of 2-8 terms with a long tail of
@@ -48,7 +53,9 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "long_tail": {"options": "{min_terms: 2, max_terms: 8, max_value: 9, long_tail: 0.15}",
                   "group_size": 8, "batch_groups": 8, "max_new_tokens": 48, "lr": 1e-4},
 }
-SYSTEMS = {"trl": None, "oolong_sync": 0, "oolong_async": 2}
+# system -> (max_staleness, its own run-spec overrides); TRL's settings are in run_trl
+SYSTEMS: dict[str, tuple[int, list[str]] | None] = {
+    "trl": None, "oolong_sync": (0, ["rollout.num_servers=2"]), "oolong_async": (2, [])}
 
 
 def _spec(workload: str, seed: int, extra: list[str] = ()):
@@ -150,8 +157,10 @@ def run_oolong(workload: str, staleness: int, model: Path, steps: int, seed: int
     return {**_summary([r["time/step_s"] for r in rows],
                        [r["response_length/mean"] * batch for r in rows],
                        [r["reward/mean"] for r in rows]),
-            "max_staleness": staleness,
-            "threads": "2 processes (rollout server, trainer), OMP_NUM_THREADS=1 each"}
+            "max_staleness": staleness, "num_servers": spec.rollout.num_servers,
+            "threads": (f"{spec.rollout.num_servers + 1} processes ({spec.rollout.num_servers} "
+                        "rollout servers, the trainer), 1 thread each; the trainer borrows idle "
+                        f"servers' threads up to {CORES}")}
 
 
 # ---- the benchmark -------------------------------------------------------------------------
@@ -205,8 +214,9 @@ def main() -> int:
         if args.side == "trl":
             out = run_trl(args.workload, Path(args.model), steps, args.seed, work)
         else:
-            out = run_oolong(args.workload, SYSTEMS[args.side], Path(args.model), steps,
-                             args.seed, work, args.oolong_set)
+            staleness, own = SYSTEMS[args.side]
+            out = run_oolong(args.workload, staleness, Path(args.model), steps, args.seed, work,
+                             [*own, *args.oolong_set])
         Path(args.result).write_text(json.dumps(out))
         return 0
 
