@@ -33,7 +33,7 @@ TASK = "{min_terms: 2, max_terms: 8, max_value: 9, long_tail: 0.15}"
 
 
 def side(name: str, staleness: int, steps: int, initial: Path, out_root: Path, seed: int,
-         task: str) -> dict:
+         task: str, overrides: list[str] = ()) -> dict:
     from training_core.train import train
 
     run_dir = out_root / name
@@ -45,7 +45,7 @@ def side(name: str, staleness: int, steps: int, initial: Path, out_root: Path, s
         f"name={name}", f"seed={seed}", f"run_dir={run_dir}", "model.path=tiny",
         f"data.options={task}", "rollout.max_new_tokens=48", "reward.executor=inline", "rollout.group_size=8", "rollout.max_concurrent=64",
         f"rollout.max_staleness={staleness}", "trainer.batch_groups=8", "trainer.lr=1e-4",
-        f"trainer.steps={steps}", "eval.every=0", "checkpoint.every=0",
+        f"trainer.steps={steps}", "eval.every=0", "checkpoint.every=0", *overrides,
     ])
     result = train(spec, progress=False)
     rows = [r for r in read_metrics(run_dir) if r["step"] > 0]
@@ -82,6 +82,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", default="bench-results/async_vs_sync.json")
     parser.add_argument("--work-dir", default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="a run-spec override for both sides (repeatable)")
     args = parser.parse_args()
     steps = args.steps or (30 if args.quick else 100)
     work = Path(args.work_dir or f"runs/bench-async-vs-sync-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -101,7 +103,8 @@ def main() -> int:
     results = {}
     for name, staleness in (("sync", 0), ("async", args.staleness)):
         print(f"{name}: max_staleness={staleness}, {steps} steps ...", flush=True)
-        results[name] = side(name, staleness, steps, initial, work, args.seed, args.task)
+        results[name] = side(name, staleness, steps, initial, work, args.seed, args.task,
+                             args.overrides)
         print(json.dumps(results[name], indent=1), flush=True)
     out = {
         **results,
@@ -110,7 +113,7 @@ def main() -> int:
         / results["sync"]["effective_tokens_per_s"],
         "reward_delta": results["async"]["final_reward"] - results["sync"]["final_reward"],
         "config": {"steps": steps, "quick": args.quick, "seed": args.seed, "task": args.task,
-                   "staleness": args.staleness,
+                   "staleness": args.staleness, "overrides": args.overrides,
                    "batch_groups": 8, "group_size": 8},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
