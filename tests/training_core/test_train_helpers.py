@@ -9,11 +9,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from training_core.train import RolloutProfile
 
 
-def _serve(payloads: list[dict]) -> tuple[ThreadingHTTPServer, list[int]]:
+def _serve(payloads: list[dict], answer_after: threading.Event | None = None
+           ) -> tuple[ThreadingHTTPServer, list[int]]:
+    """A real server answering GETs with ``payloads`` in turn (then the last one again); with
+    ``answer_after``, each answer waits for that event."""
     calls = [0]
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
+            if answer_after is not None:
+                answer_after.wait(timeout=60)
             body = json.dumps(payloads[min(calls[0], len(payloads) - 1)]).encode()
             calls[0] += 1
             self.send_response(200)
@@ -55,20 +60,7 @@ def test_profile_never_makes_a_step_wait_for_a_slow_server():
     """A server busy decoding answers /server_info late; the step goes on without it."""
     answered = threading.Event()
 
-    class Slow(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            answered.wait(timeout=60)
-            body = json.dumps({"busy_s": 1.0, "tokens_generated": 1, "steps": 1}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server, _ = _serve([{"busy_s": 1.0, "tokens_generated": 1, "steps": 1}], answered)
     profile = RolloutProfile([f"http://127.0.0.1:{server.server_port}"])
     try:
         # The server has not answered: each step gets nothing instead of waiting for it.
