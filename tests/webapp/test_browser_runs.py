@@ -125,6 +125,27 @@ def test_a_new_user_creates_a_run_from_the_form_and_watches_it(page, live_server
     assert page.input_value("#field-rollout-max-staleness") == "2"
 
 
+def test_an_edit_is_kept_when_the_pages_first_check_answers_after_it(page, live_server, alice,
+                                                                     project):
+    """The page checks the YAML it came with as it opens; a user who picks a preset before that
+    answer arrives keeps the preset (an answer to an older state must not put it back)."""
+    base = live_server.url
+    _login(page, base)
+    held = []
+    page.route("**/api/runs/spec-check/",
+               lambda route: held.append(route) if not held else route.continue_())
+    page.goto(base + "/runs/new/")
+    while not held:  # the first check has gone out and waits here
+        page.wait_for_timeout(20)
+    page.select_option("#field-algorithm-preset", "dapo")
+    held[0].continue_()  # answered before the edit's own check (250 ms later) goes out
+    page.wait_for_function("document.querySelector('#spec-status').textContent === 'spec is valid'")
+    page.fill("#field-trainer-steps", "30")  # the next edit sends the form's whole state
+    page.wait_for_function("document.querySelector('#spec-yaml').value.includes('steps: 30')")
+    assert "preset: dapo" in page.input_value("#spec-yaml")
+    assert page.input_value("#field-algorithm-preset") == "dapo"
+
+
 def test_a_staleness_sweep_from_the_form_compares_three_runs(page, live_server, alice, project,
                                                              dataset, reward_version):
     base = live_server.url

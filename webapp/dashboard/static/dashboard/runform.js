@@ -193,16 +193,19 @@
   }
 
   // ---- the check round trip ----------------------------------------------------------------
+  // seq counts edits, not requests: an answer applies only if no edit came after the one it
+  // checked. Counting requests let the page's first check, answered after the user had already
+  // picked a preset but before that edit's own check went out, put the old overrides back.
   let pending = null;  // the payload of the scheduled check
   function schedule(payload) {
     clearTimeout(timer);
     status.textContent = "checking...";
     pending = payload;
-    timer = setTimeout(() => check(payload), 250);
-  }
-  async function check(payload) {
-    timer = null;
     const mine = ++seq;
+    timer = setTimeout(() => check(payload, mine), 250);
+  }
+  async function check(payload, mine) {
+    timer = null;
     inFlight = fetch("/api/runs/spec-check/", {
       method: "POST", credentials: "same-origin",
       headers: {"Content-Type": "application/json", "X-CSRFToken": csrf},
@@ -217,7 +220,7 @@
     } finally {
       inFlight = null;
     }
-    if (mine !== seq) return;  // a newer edit has been checked meanwhile
+    if (mine !== seq) return;  // a newer edit is on its way: its answer will apply
     if ("yaml" in payload) {
       if (body.spec) { overrides = body.spec; refreshInputs(); }
     } else if (typeof body.yaml === "string" && document.activeElement !== yaml) {
@@ -256,7 +259,7 @@
     ev.preventDefault();
     if (timer) {  // an edit not checked yet: check it now, so the YAML view is current
       clearTimeout(timer);
-      await check(pending);
+      await check(pending, seq);
     }
     while (inFlight) await inFlight.catch(() => null);
     HTMLFormElement.prototype.submit.call(form);  // not form.submit: an input may be named so
