@@ -13,8 +13,8 @@ Writes {"sync": {...}, "async": {...}, "speedup": sync_wall / async_wall, ...}.
 The machine is shared and its speed drifts (the same synchronous side measured 0.23-0.30 s per
 step in runs minutes apart), so one sync run then one async run can land on either side of a
 drift. ``--repeats N`` (default 3) runs N pairs, alternating which side goes first, and reports
-the median of the per-pair speedups with every pair's figures ("pairs") and their range; "sync"
-and "async" are the pair whose speedup is the median.
+the median of the per-pair speedups (the lower median for an even N) with every pair's figures
+("pairs") and their range; "sync" and "async" are that median pair.
 """
 
 from __future__ import annotations
@@ -112,9 +112,10 @@ def main() -> int:
     initial = sft(base, work / "initial_model", steps=10_000, seconds=seconds, progress=False)
     pairs = []
     for rep in range(max(1, args.repeats)):
-        results = {}
         order = (("sync", 0), ("async", args.staleness))
-        for name, staleness in order if rep % 2 == 0 else order[::-1]:
+        order = order if rep % 2 == 0 else order[::-1]
+        results = {"first": order[0][0]}
+        for name, staleness in order:
             print(f"pair {rep + 1}/{args.repeats}, {name}: max_staleness={staleness}, {steps} "
                   "steps ...", flush=True)
             results[name] = side(name, staleness, steps, initial, work / f"pair-{rep}", args.seed,
@@ -124,15 +125,17 @@ def main() -> int:
         print(f"pair {rep + 1}: speedup {results['speedup']:.2f}x", flush=True)
         pairs.append(results)
     speedups = [p["speedup"] for p in pairs]
-    results = sorted(pairs, key=lambda p: p["speedup"])[(len(pairs) - 1) // 2]  # the median pair
+    # The (lower) median pair: its speedup is the one reported, so "speedup" stays
+    # sync wall / async wall of the "sync" and "async" written next to it.
+    results = next(p for p in pairs if p["speedup"] == statistics.median_low(speedups))
     out = {
         "sync": results["sync"],
         "async": results["async"],
-        "speedup": statistics.median(speedups),
+        "speedup": results["speedup"],
         "speedup_range": [min(speedups), max(speedups)],
-        "pairs": [{"first": "sync" if i % 2 == 0 else "async", "speedup": p["speedup"],
+        "pairs": [{"first": p["first"], "speedup": p["speedup"],
                    "sync_wall_s": p["sync"]["wall_s"], "async_wall_s": p["async"]["wall_s"]}
-                  for i, p in enumerate(pairs)],
+                  for p in pairs],
         "throughput_ratio": results["async"]["effective_tokens_per_s"]
         / results["sync"]["effective_tokens_per_s"],
         "reward_delta": results["async"]["final_reward"] - results["sync"]["final_reward"],
