@@ -190,6 +190,10 @@ class TrainerSpec(_Section):
         "compute each distinct prompt once per micro-batch (a GRPO group's answers share one): "
         "the same logprobs and gradients with fewer tokens of compute. Off: every row's prompt "
         "runs again (models whose forward takes no past_key_values)"))
+    dedupe_samples: bool = Field(True, description=(
+        "compute each distinct sample once per micro-batch (a trained policy often gives the "
+        "same answer several times in a group): the same logprobs and gradients, each copy "
+        "keeping its own advantage and behaviour logprobs. Off: every copy runs again"))
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="the trainer's collective backend; auto: nccl on GPUs, else gloo")

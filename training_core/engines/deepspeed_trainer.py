@@ -185,11 +185,37 @@ def shared_prompt_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
     return logp.new_zeros(n, width + width_r).scatter(1, cols, logp)[:, :width]
 
 
+def distinct_samples(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     versions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows with the same tokens (and the same first generated token) have the same logprobs:
+    the first row of each distinct one (``keep``) and, for every row, the index of its distinct
+    one among them (``inverse``), so ``logp(rows[keep])[inverse]`` equals ``logp(rows)``. None
+    when no two rows are the same.
+
+    A trained policy repeats itself: in the demo task a group's 16 answers are ~4 distinct ones,
+    and every copy is the same forward and backward again. Indexing back sums the copies'
+    gradients into their one computation, so the loss and its gradient are unchanged (each row
+    keeps its own behaviour logprobs, advantage and mask)."""
+    lengths = attention_mask.sum(-1).tolist()
+    generated = (versions != PROMPT_VERSION) & attention_mask.bool()
+    starts = generated.long().argmax(-1).tolist()
+    rows = input_ids.tolist()
+    seen: dict[tuple[tuple[int, ...], int], int] = {}
+    inverse = [seen.setdefault((tuple(rows[i][: lengths[i]]), starts[i]), len(seen))
+               for i in range(len(rows))]
+    if len(seen) == len(rows):
+        return None
+    keep = [0] * len(seen)
+    for i in reversed(range(len(rows))):
+        keep[inverse[i]] = i
+    return torch.tensor(keep), torch.tensor(inverse)
+
+
 class DeepSpeedTrainer:
     def __init__(self, model_dir: str | Path, *, lr: float, weight_decay: float, grad_clip: float,
                  zero_stage: int, dtype: str = "float32", dist_backend: str = "auto",
                  temperature: float = 1.0, micro_batch_tokens: int = 8192, keep_reference: bool = False,
-                 share_prompts: bool = True):
+                 share_prompts: bool = True, dedupe_samples: bool = True):
         import deepspeed
 
         init_distributed(dist_backend)
@@ -201,6 +227,7 @@ class DeepSpeedTrainer:
         # Under ZeRO-3 every forward is a collective: ranks must run the same number of them,
         # and whether a micro-batch shares a prompt (two forwards) differs between ranks.
         self.share_prompts = share_prompts and not (zero_stage == 3 and rank_and_world()[1] > 1)
+        self.dedupe_samples = dedupe_samples
         model = load_model(model_dir, dtype).to(self.device)
         model.config.use_cache = False
         # The proximal logprobs are computed in eval mode and the update in train mode: with
@@ -244,11 +271,17 @@ class DeepSpeedTrainer:
         return out
 
     def _forward_logprobs(self, net: torch.nn.Module, mb: TrainBatch) -> torch.Tensor:
-        ids, mask = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
+        ids, mask, versions = mb.input_ids, mb.attention_mask, mb.versions
+        # Dropping copies changes no forward's count (each one is a collective under ZeRO-3).
+        distinct = distinct_samples(ids, mask, versions) if self.dedupe_samples else None
+        if distinct is not None:
+            ids, mask, versions = ids[distinct[0]], mask[distinct[0]], versions[distinct[0]]
+        ids, mask = ids.to(self.device), mask.to(self.device)
         if self.share_prompts:
-            return shared_prompt_logprobs(net, ids, mask, mb.versions.to(self.device),
-                                          self.temperature)
-        return sequence_logprobs(net, ids, mask, self.temperature)
+            logp = shared_prompt_logprobs(net, ids, mask, versions.to(self.device), self.temperature)
+        else:
+            logp = sequence_logprobs(net, ids, mask, self.temperature)
+        return logp if distinct is None else logp[distinct[1].to(self.device)]
 
     def train_step(self, batch: TrainBatch, prox_logp: torch.Tensor | None,
                    loss_fn: Callable[..., Any], *, minibatches: int = 1,
