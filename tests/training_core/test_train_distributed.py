@@ -49,8 +49,14 @@ def test_two_ranks_make_the_same_update_as_one_process(tiny_model_dir, tmp_path,
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     name = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(outs["one"][name], base[name]), "the step changed the weights"
-    for key, value in outs["one"].items():  # float summation order differs: ~1e-6
-        assert torch.allclose(outs["two"][key], value, atol=1e-5), key
+    # The all-reduce sums in another order (~1e-7 on a gradient), and Adam's first step moves a
+    # weight by about lr * g / (|g| + eps): an element whose gradient is itself ~1e-7 can move
+    # differently by a sizeable part of lr (seen: one of 32768 by 1.07e-5 on one CPU). So: almost
+    # every element within 1e-5, none beyond 2 lr.
+    for key, value in outs["one"].items():
+        diff = (outs["two"][key] - value).abs()
+        assert float(diff.max()) <= 2e-3, key
+        assert int((diff > 1e-5).sum()) <= max(1, diff.numel() // 1000), key
 
 
 @pytest.mark.slow
