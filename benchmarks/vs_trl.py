@@ -22,6 +22,12 @@ long answers, 8 prompts x 8 samples, 48 new tokens).
 Per system: wall time per step (median of the steps after the first few), generated tokens per
 second, and the reward curve. Ratios above 1 mean Oolong is faster per step.
 
+Rounds (``--repeats``, default 3, 1 with ``--quick``): the three systems run one after the
+other, each round in a rotated order, and every ratio is taken inside one round. This machine's
+speed drifts by up to 1.5x within minutes (TRL's median step went 0.164 s -> 0.374 s between two
+runs of the same code), so one round can say 1.5x or 2.4x; the round whose async/TRL ratio is
+the median stands for the workload, and every round's ratios and their range come with it.
+
     python benchmarks/vs_trl.py --quick --out bench-results/vs_trl.json
 
 TRL is a benchmark dependency only: ``pip install -c constraints.txt '.[bench]'``.
@@ -56,6 +62,9 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 # system -> (max_staleness, its own run-spec overrides); TRL's settings are in run_trl
 SYSTEMS: dict[str, tuple[int, list[str]] | None] = {
     "trl": None, "oolong_sync": (0, ["rollout.num_servers=2"]), "oolong_async": (2, [])}
+# ratio -> (the system it divides by, the system whose step time it divides)
+RATIOS = {"async_vs_trl": ("trl", "oolong_async"), "sync_vs_trl": ("trl", "oolong_sync"),
+          "async_vs_sync": ("oolong_sync", "oolong_async")}
 
 
 def _spec(workload: str, seed: int, extra: list[str] = ()):
@@ -76,6 +85,27 @@ def _summary(step_s: list[float], tokens: list[float], rewards: list[float]) -> 
             "reward_first": statistics.fmean(rewards[:quarter]),
             "reward_last": statistics.fmean(rewards[-quarter:]),
             "reward_curve": [round(r, 4) for r in rewards]}
+
+
+def round_ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Each ratio of one round: above 1 means the second system's steps are shorter."""
+    return {name: results[slow]["step_s_median"] / results[fast]["step_s_median"]
+            for name, (slow, fast) in RATIOS.items()}
+
+
+def combine_rounds(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One workload's report from its rounds: the systems' results and ratios of the round whose
+    async/TRL ratio is the median (the lower middle one for an even count), so every reported
+    ratio was measured inside one round; plus each round's step times and ratios, and each
+    ratio's range over the rounds."""
+    per_round = [round_ratios(r) for r in rounds]
+    key = [p["async_vs_trl"] for p in per_round]
+    middle = key.index(statistics.median_low(key))
+    return {**rounds[middle], **per_round[middle], "median_round": middle,
+            "rounds": [{**ratios, **{system: r[system]["step_s_median"] for system in SYSTEMS}}
+                       for ratios, r in zip(per_round, rounds, strict=True)],
+            "ranges": {name: [min(p[name] for p in per_round), max(p[name] for p in per_round)]
+                       for name in RATIOS}}
 
 
 # ---- one system, in its own process --------------------------------------------------------
@@ -193,6 +223,8 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer steps (< 5 min on 2 cores)")
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="rounds of the three systems per workload (default 3; 1 with --quick)")
     parser.add_argument("--warm-start-s", type=float, default=None)
     parser.add_argument("--workloads", default="demo,long_tail")
     parser.add_argument("--seed", type=int, default=1)
@@ -221,30 +253,34 @@ def main() -> int:
         return 0
 
     seconds = args.warm_start_s or (25 if args.quick else 60)
+    repeats = args.repeats or (1 if args.quick else 3)
     report: dict[str, Any] = {"workloads": {}}
     for workload in args.workloads.split(","):
         wdir = work / workload
         print(f"{workload}: warm start ({seconds:.0f} s, shared by all three) ...", flush=True)
         model = warm_start(workload, args.seed, seconds, wdir)
-        results: dict[str, Any] = {}
-        for system in SYSTEMS:
-            print(f"{workload}: {system}, {steps} steps ...", flush=True)
-            results[system] = _side(system, workload, model, steps, args.seed, wdir,
-                                    args.oolong_set)
-            print(f"  {results[system]['step_s_median']:.3f} s/step, "
-                  f"{results[system]['tokens_per_s']:.0f} tok/s, reward "
-                  f"{results[system]['reward_first']:.3f} -> {results[system]['reward_last']:.3f}",
-                  flush=True)
-        trl_step = results["trl"]["step_s_median"]
-        results["async_vs_trl"] = trl_step / results["oolong_async"]["step_s_median"]
-        results["sync_vs_trl"] = trl_step / results["oolong_sync"]["step_s_median"]
-        results["async_vs_sync"] = (results["oolong_sync"]["step_s_median"]
-                                    / results["oolong_async"]["step_s_median"])
-        report["workloads"][workload] = results
-        print(f"{workload}: async/TRL {results['async_vs_trl']:.2f}x, sync/TRL "
-              f"{results['sync_vs_trl']:.2f}x, async/sync {results['async_vs_sync']:.2f}x",
-              flush=True)
+        rounds = []
+        for r in range(repeats):
+            order = list(SYSTEMS)[r % len(SYSTEMS):] + list(SYSTEMS)[: r % len(SYSTEMS)]
+            results: dict[str, Any] = {}
+            for system in order:
+                print(f"{workload}: round {r + 1}/{repeats}, {system}, {steps} steps ...",
+                      flush=True)
+                results[system] = _side(system, workload, model, steps, args.seed,
+                                        wdir / f"round-{r + 1}", args.oolong_set)
+                print(f"  {results[system]['step_s_median']:.3f} s/step, "
+                      f"{results[system]['tokens_per_s']:.0f} tok/s, reward "
+                      f"{results[system]['reward_first']:.3f} -> "
+                      f"{results[system]['reward_last']:.3f}", flush=True)
+            rounds.append(results)
+        combined = combine_rounds(rounds)
+        report["workloads"][workload] = combined
+        print(f"{workload}: " + ", ".join(
+            f"{name.replace('_vs_', '/').replace('trl', 'TRL')} {combined[name]:.2f}x "
+            f"[{combined['ranges'][name][0]:.2f}-{combined['ranges'][name][1]:.2f}]"
+            for name in RATIOS), flush=True)
     report["config"] = {"steps": steps, "quick": args.quick, "seed": args.seed,
+                        "repeats": repeats,
                         "oolong_overrides": args.oolong_set,
                         "skip_first_steps": SKIP, "cores_each": CORES, "workloads": WORKLOADS}
     report["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(),

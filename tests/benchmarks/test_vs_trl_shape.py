@@ -18,6 +18,7 @@ def test_vs_trl_writes_the_ratios_for_both_workloads(tmp_path):
     pytest.importorskip("trl")
     out = tmp_path / "vs_trl.json"
     subprocess.run([sys.executable, "benchmarks/vs_trl.py", "--steps", "2", "--warm-start-s", "2",
+                    "--repeats", "1",
                     "--out", str(out), "--work-dir", str(tmp_path / "work")],
                    cwd=ROOT, check=True, timeout=900)
     report = json.loads(out.read_text())
@@ -36,4 +37,7 @@ def test_vs_trl_writes_the_ratios_for_both_workloads(tmp_path):
             assert workload[ratio] > 0
         assert workload["async_vs_trl"] == pytest.approx(
             workload["trl"]["step_s_median"] / workload["oolong_async"]["step_s_median"])
-    assert report["config"]["steps"] == 2 and report["machine"]["cpus"] >= 1
+        assert workload["median_round"] == 0 and len(workload["rounds"]) == 1
+        assert workload["ranges"]["async_vs_trl"] == pytest.approx([workload["async_vs_trl"]] * 2)
+    assert report["config"]["steps"] == 2 and report["config"]["repeats"] == 1
+    assert report["machine"]["cpus"] >= 1
