@@ -70,12 +70,13 @@ def test_async_steps_versions_staleness_and_weights_reach_the_server(tiny_model_
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert [r["version"] for r in steps] == [1, 2, 3, 4]
     assert all(r["staleness/max"] <= 1 for r in steps)
-    # Failed once (2026-11-24, a clean clone under the full suite's load; not reproduced in six
-    # runs): the message now says which step and why, for the next time.
-    seen = [(r["step"], r["tokens/consumed"], r["grad_norm"], r["reward/std"],
-             r["rollout/dropped_stale_samples"]) for r in steps]
-    assert all(r["tokens/consumed"] > 0 for r in steps), f"(step, tokens, grad norm, ...): {seen}"
-    assert all(r["grad_norm"] > 0 for r in steps), f"(step, tokens, grad norm, ...): {seen}"
+    # A batch whose 8 rewards are all equal has no advantage, so its gradient is exactly 0 (GRPO):
+    # it happened under the full suite's load, where timing gives other samples (step 2: every
+    # sample without a digit, reward std 0, grad norm 0). Every other step must train.
+    seen = [(r["step"], r["tokens/consumed"], r["grad_norm"], r["reward/std"]) for r in steps]
+    assert all(r["tokens/consumed"] > 0 for r in steps), f"(step, tokens, grad norm, std): {seen}"
+    assert all(r["grad_norm"] > 0 for r in steps if r["reward/std"] > 0), seen
+    assert sum(r["grad_norm"] > 0 for r in steps) >= 2, seen
     # The rollout side of the profile, from the server's counters, measured off the critical
     # path: a step reports the newest finished measurement (one step late, so not the first).
     profiled = [r for r in steps if "rollout/server_busy_frac" in r]
