@@ -135,6 +135,13 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
     return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
 
 
+def generation_starts(attention_mask: torch.Tensor, versions: torch.Tensor) -> torch.Tensor:
+    """Each row's first generated column (``versions != PROMPT_VERSION``); its length when it
+    has none. Logprobs are computed from there on."""
+    generated = (versions != PROMPT_VERSION) & attention_mask.bool()
+    return torch.where(generated.any(-1), generated.long().argmax(-1), attention_mask.sum(-1))
+
+
 def shared_prompt_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
                            attention_mask: torch.Tensor, versions: torch.Tensor,
                            temperature: float) -> torch.Tensor:
@@ -151,8 +158,7 @@ def shared_prompt_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
     to :func:`sequence_logprobs` when no two rows share a prompt."""
     n, width = input_ids.shape
     lengths = attention_mask.sum(-1)
-    generated = (versions != PROMPT_VERSION) & attention_mask.bool()
-    starts = torch.where(generated.any(-1), generated.long().argmax(-1), lengths)
+    starts = generation_starts(attention_mask, versions)
     rows, start_list = input_ids.tolist(), starts.tolist()
     prompts: dict[tuple[int, ...], int] = {}
     owner = [prompts.setdefault(tuple(rows[i][: start_list[i]]), len(prompts)) for i in range(n)]
@@ -197,8 +203,7 @@ def distinct_samples(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     gradients into their one computation, so the loss and its gradient are unchanged (each row
     keeps its own behaviour logprobs, advantage and mask)."""
     lengths = attention_mask.sum(-1).tolist()
-    generated = (versions != PROMPT_VERSION) & attention_mask.bool()
-    starts = generated.long().argmax(-1).tolist()
+    starts = generation_starts(attention_mask, versions).tolist()
     rows = input_ids.tolist()
     seen: dict[tuple[tuple[int, ...], int], int] = {}
     inverse = [seen.setdefault((tuple(rows[i][: lengths[i]]), starts[i]), len(seen))
