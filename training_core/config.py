@@ -186,14 +186,11 @@ class TrainerSpec(_Section):
     ppo_minibatches: int = Field(1, ge=1, description="optimizer steps per batch")
     micro_batch_tokens: int = Field(8192, ge=1, description=(
         "tokens per forward/backward pass (packed; bounds activation memory)"))
-    share_prompts: bool = Field(True, description=(
-        "compute each distinct prompt once per micro-batch (a GRPO group's answers share one): "
-        "the same logprobs and gradients with fewer tokens of compute. Off: every row's prompt "
-        "runs again (models whose forward takes no past_key_values)"))
-    dedupe_samples: bool = Field(True, description=(
-        "compute each distinct sample once per micro-batch (a trained policy often gives the "
-        "same answer several times in a group): the same logprobs and gradients, each copy "
-        "keeping its own advantage and behaviour logprobs. Off: every copy runs again"))
+    share_prefixes: bool = Field(True, description=(
+        "compute each distinct prefix once per micro-batch: a group's prompt, the common start "
+        "of its answers, identical answers (the forward runs over a prefix forest, see "
+        "training_core/engines/prefix_tree.py): the same logprobs and gradients with fewer "
+        "tokens of compute. Off: every sample runs as a padded row"))
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="the trainer's collective backend; auto: nccl on GPUs, else gloo")
@@ -209,6 +206,17 @@ class TrainerSpec(_Section):
     borrow_idle_threads: bool = Field(
         True, description="on CPU with local embedded servers: while generation is held by the "
         "staleness bound (the servers are idle), the trainer also uses the servers' threads")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_keys(cls, data: Any) -> Any:
+        """Specs written before 2026-11-24 (a resumed run reads its own) name the two rules that
+        ``share_prefixes`` replaced: either one off turns it off."""
+        if isinstance(data, dict) and ({"share_prompts", "dedupe_samples"} & data.keys()):
+            data = dict(data)
+            old = [bool(data.pop(k)) for k in ("share_prompts", "dedupe_samples") if k in data]
+            data.setdefault("share_prefixes", all(old))
+        return data
 
     @field_validator("recompute_proximal", mode="before")
     @classmethod

@@ -409,8 +409,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
         grad_clip=spec.trainer.grad_clip, zero_stage=spec.trainer.zero_stage,
         dtype=spec.model.dtype, dist_backend=spec.trainer.dist_backend,
         temperature=spec.rollout.temperature, micro_batch_tokens=spec.trainer.micro_batch_tokens,
-        keep_reference=algo.kl_coef > 0, share_prompts=spec.trainer.share_prompts,
-        dedupe_samples=spec.trainer.dedupe_samples)
+        keep_reference=algo.kl_coef > 0, share_prefixes=spec.trainer.share_prefixes)
     rank, world = rank_and_world()
     sync = make_weight_sync(spec.weight_sync, run_dir)
     if rank != 0:  # data-parallel ranks train on their shard; rank 0 owns everything else

@@ -19,8 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from training_core.api import PROMPT_VERSION, TrainBatch
+from training_core.api import TrainBatch
 from training_core.checkpoint import COMPLETE
+from training_core.engines.prefix_tree import (
+    prefix_micro_batches,
+    prefix_tree_logprobs,
+    sequence_logprobs,
+)
 from training_core.models.loading import load_model
 
 
@@ -126,101 +131,11 @@ def _all_reduce_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      temperature: float) -> torch.Tensor:
-    """logp[:, t] = log pi(input_ids[:, t] | input_ids[:, :t]); column 0 is 0."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logits = logits[:, :-1].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
-
-
-def generation_starts(attention_mask: torch.Tensor, versions: torch.Tensor) -> torch.Tensor:
-    """Each row's first generated column (``versions != PROMPT_VERSION``); its length when it
-    has none. Logprobs are computed from there on."""
-    generated = (versions != PROMPT_VERSION) & attention_mask.bool()
-    return torch.where(generated.any(-1), generated.long().argmax(-1), attention_mask.sum(-1))
-
-
-def shared_prompt_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
-                           attention_mask: torch.Tensor, versions: torch.Tensor,
-                           temperature: float) -> torch.Tensor:
-    """:func:`sequence_logprobs` at the generated tokens, computing each distinct prompt once.
-
-    A GRPO group is ``group_size`` answers to one prompt, so the usual forward computes every
-    prompt ``group_size`` times. Here the distinct prompts (a row's tokens before its first
-    generated one, ``versions != PROMPT_VERSION``) run once, their keys and values are gathered
-    to the rows that share them, and only the rows' remaining tokens run on top: the same
-    attention inputs, so the same logprobs and (the gather sums the rows' gradients into the
-    prompt's) the same gradients, with ``N*(P+R)`` tokens of compute down to ``U*P + N*R``.
-
-    Columns before a row's first generated token are 0 (the loss never reads them). Falls back
-    to :func:`sequence_logprobs` when no two rows share a prompt."""
-    n, width = input_ids.shape
-    lengths = attention_mask.sum(-1)
-    starts = generation_starts(attention_mask, versions)
-    rows, start_list = input_ids.tolist(), starts.tolist()
-    prompts: dict[tuple[int, ...], int] = {}
-    owner = [prompts.setdefault(tuple(rows[i][: start_list[i]]), len(prompts)) for i in range(n)]
-    if len(prompts) == n or min(start_list) == 0:
-        return sequence_logprobs(model, input_ids, attention_mask, temperature)
-
-    device = input_ids.device
-    width_p = max(len(p) for p in prompts)
-    prompt_ids = torch.tensor([list(p) + [0] * (width_p - len(p)) for p in prompts], device=device)
-    prompt_mask = (torch.arange(width_p, device=device)
-                   < torch.tensor([len(p) for p in prompts], device=device).unsqueeze(1)).long()
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True)
-    owner_t = torch.tensor(owner, device=device)
-    cache = out.past_key_values
-    cache.reorder_cache(owner_t)  # index_select: each row's copy; backward sums into the prompt
-    # The logits at a prompt's last token predict its rows' first generated token.
-    first_logits = out.logits[owner_t, starts - 1]
-
-    width_r = max(1, int((lengths - starts).max()))
-    cols = starts.unsqueeze(1) + torch.arange(width_r, device=device)
-    valid = cols < lengths.unsqueeze(1)
-    rest_ids = torch.where(valid, input_ids.gather(1, cols.clamp(max=width - 1)), 0)
-    rest_logits = model(input_ids=rest_ids, position_ids=cols, past_key_values=cache,
-                        attention_mask=torch.cat([prompt_mask[owner_t], valid.long()], dim=1),
-                        use_cache=True).logits
-    logits = torch.cat([first_logits.unsqueeze(1), rest_logits[:, :-1]], dim=1).float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, rest_ids.unsqueeze(-1)).squeeze(-1)
-    logp = torch.where(valid, logp, 0.0)
-    # Row i's column j is its token starts[i] + j: scatter back to the batch's layout.
-    return logp.new_zeros(n, width + width_r).scatter(1, cols, logp)[:, :width]
-
-
-def distinct_samples(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     versions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Rows with the same tokens (and the same first generated token) have the same logprobs:
-    the first row of each distinct one (``keep``) and, for every row, the index of its distinct
-    one among them (``inverse``), so ``logp(rows[keep])[inverse]`` equals ``logp(rows)``. None
-    when no two rows are the same.
-
-    A trained policy repeats itself: in the demo task a group's 16 answers are ~4 distinct ones,
-    and every copy is the same forward and backward again. Indexing back sums the copies'
-    gradients into their one computation, so the loss and its gradient are unchanged (each row
-    keeps its own behaviour logprobs, advantage and mask)."""
-    lengths = attention_mask.sum(-1).tolist()
-    starts = generation_starts(attention_mask, versions).tolist()
-    rows = input_ids.tolist()
-    seen: dict[tuple[tuple[int, ...], int], int] = {}
-    inverse = [seen.setdefault((tuple(rows[i][: lengths[i]]), starts[i]), len(seen))
-               for i in range(len(rows))]
-    if len(seen) == len(rows):
-        return None
-    keep = [0] * len(seen)
-    for i in reversed(range(len(rows))):
-        keep[inverse[i]] = i
-    return torch.tensor(keep), torch.tensor(inverse)
-
-
 class DeepSpeedTrainer:
     def __init__(self, model_dir: str | Path, *, lr: float, weight_decay: float, grad_clip: float,
                  zero_stage: int, dtype: str = "float32", dist_backend: str = "auto",
                  temperature: float = 1.0, micro_batch_tokens: int = 8192, keep_reference: bool = False,
-                 share_prompts: bool = True, dedupe_samples: bool = True):
+                 share_prefixes: bool = True):
         import deepspeed
 
         init_distributed(dist_backend)
@@ -229,10 +144,7 @@ class DeepSpeedTrainer:
         self.temperature = temperature
         self.micro_batch_tokens = micro_batch_tokens
         self.zero_stage = zero_stage
-        # Under ZeRO-3 every forward is a collective: ranks must run the same number of them,
-        # and whether a micro-batch shares a prompt (two forwards) differs between ranks.
-        self.share_prompts = share_prompts and not (zero_stage == 3 and rank_and_world()[1] > 1)
-        self.dedupe_samples = dedupe_samples
+        self.share_prefixes = share_prefixes
         model = load_model(model_dir, dtype).to(self.device)
         model.config.use_cache = False
         # The proximal logprobs are computed in eval mode and the update in train mode: with
@@ -269,24 +181,25 @@ class DeepSpeedTrainer:
         was_training = net.training
         net.eval()
         out = torch.zeros_like(batch.behav_logp)
-        for idx in pack_micro_batches(batch.lengths, self.micro_batch_tokens):
+        for idx in self._micro_batches(batch):
             lp = self._forward_logprobs(net, batch.select(idx)).cpu()
             out[torch.tensor(idx), : lp.shape[1]] = lp
         net.train(was_training)
         return out
 
+    def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
+        if self.share_prefixes:
+            return prefix_micro_batches(batch.input_ids, batch.lengths, self.micro_batch_tokens)
+        return pack_micro_batches(batch.lengths, self.micro_batch_tokens)
+
     def _forward_logprobs(self, net: torch.nn.Module, mb: TrainBatch) -> torch.Tensor:
-        ids, mask, versions = mb.input_ids, mb.attention_mask, mb.versions
-        # Dropping copies changes no forward's count (each one is a collective under ZeRO-3).
-        distinct = distinct_samples(ids, mask, versions) if self.dedupe_samples else None
-        if distinct is not None:
-            ids, mask, versions = ids[distinct[0]], mask[distinct[0]], versions[distinct[0]]
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        if self.share_prompts:
-            logp = shared_prompt_logprobs(net, ids, mask, versions.to(self.device), self.temperature)
-        else:
-            logp = sequence_logprobs(net, ids, mask, self.temperature)
-        return logp if distinct is None else logp[distinct[1].to(self.device)]
+        # One forward per micro-batch either way (under ZeRO-3 every forward is a collective).
+        if self.share_prefixes:
+            return prefix_tree_logprobs(net, mb.input_ids.to(self.device),
+                                        mb.attention_mask.to(self.device), mb.versions,
+                                        self.temperature)
+        return sequence_logprobs(net, mb.input_ids.to(self.device),
+                                 mb.attention_mask.to(self.device), self.temperature)
 
     def train_step(self, batch: TrainBatch, prox_logp: torch.Tensor | None,
                    loss_fn: Callable[..., Any], *, minibatches: int = 1,
@@ -326,7 +239,7 @@ class DeepSpeedTrainer:
                 # DeepSpeed averages gradients over ranks; normalising each rank's sum by
                 # (global tokens / world) makes that average the global token mean.
                 num_tokens = _all_reduce_sum([num_tokens])[0] / world
-            for idx in pack_micro_batches(sub.lengths, self.micro_batch_tokens):
+            for idx in self._micro_batches(sub):
                 if before_micro_batch is not None:
                     before_micro_batch()
                 mb = sub.select(idx)

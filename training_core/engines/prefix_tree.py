@@ -1,0 +1,237 @@
+"""Logprobs of a batch computed once per distinct prefix: the trainer's forward on a prefix forest.
+
+A GRPO group is ``group_size`` answers to one prompt. Run as rows, every answer repeats the
+prompt's compute; answers that start alike (a trained policy's often do) repeat their common
+start; identical answers repeat everything. Here the samples of a micro-batch become a trie of
+tokens (one node per distinct prefix), the tries are packed into rows, and one forward runs over
+the nodes: each node at its depth as position, attending to its ancestors and itself. A node's
+hidden states depend on its prefix only, so they equal those of every row that holds that
+prefix, and the logprob of a sample's token is read from its parent node's logits: the same
+numbers as :func:`sequence_logprobs`. Every copy's loss flows back into the one node, so the
+gradients are the same too (up to float summation order).
+
+Measured on the long-tail task's batches (64 answers, 8 prompts, one thread): 930 generated
+tokens become ~670 nodes, and an update takes 0.073 s against 0.095 s with prompts shared by KV
+and identical answers computed once (the two rules this replaces); with no two answers alike it
+is no slower (0.093 s against 0.101 s).
+
+Rows and their cost: a row holds whole prompt groups (first fit, largest first), and a group
+whose trie outgrows the row budget is split, each part with its own copy of the prompt. The
+budget is ``ROW_FACTOR`` times the longest sample, at most ``ROW_CAP`` nodes (never below the
+longest sample): the attention mask is dense ([rows, 1, W, W] booleans), so a wider row costs
+quadratically more in attention and mask memory, while a narrower one shares less.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from training_core.api import PROMPT_VERSION
+
+ROW_FACTOR = 3  # measured: 2 / 3 / 4 x the longest sample gave 0.076 / 0.073 / 0.072 s
+ROW_CAP = 4096
+# Attention implementations that take a prepared 4D mask; others run the rows whole.
+MASKED_ATTENTION = ("sdpa", "eager")
+
+
+def generation_starts(attention_mask: torch.Tensor, versions: torch.Tensor) -> torch.Tensor:
+    """Each row's first generated column (``versions != PROMPT_VERSION``); its length when it
+    has none. Logprobs are computed from there on."""
+    generated = (versions != PROMPT_VERSION) & attention_mask.bool()
+    return torch.where(generated.any(-1), generated.long().argmax(-1), attention_mask.sum(-1))
+
+
+def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      temperature: float) -> torch.Tensor:
+    """logp[:, t] = log pi(input_ids[:, t] | input_ids[:, :t]); column 0 is 0. Every row whole."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logits = logits[:, :-1].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
+
+
+def prefix_micro_batches(input_ids: torch.Tensor, lengths: list[int],
+                         token_budget: int) -> list[list[int]]:
+    """Micro-batches for the prefix forest: samples in token order (a prompt's samples side by
+    side, alike answers next to each other), cut where their summed lengths would pass
+    ``token_budget``. A forest has at most that many nodes; padding plays no part, so no rule
+    against mixing long and short samples is needed, and a group stays whole where it fits."""
+    rows = input_ids.tolist()
+    order = sorted(range(len(rows)), key=lambda i: rows[i][: lengths[i]])
+    batches: list[list[int]] = []
+    total = 0
+    for i in order:
+        if batches and total + lengths[i] <= token_budget:
+            batches[-1].append(i)
+            total += lengths[i]
+        else:
+            batches.append([i])
+            total = lengths[i]
+    return batches
+
+
+class _Trie:
+    """Nodes in creation order. Paths added in lexicographic order create them in depth-first
+    preorder, so every node's subtree is the contiguous range [node, end)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.depths: list[int] = []
+        self._children: dict[tuple[int, int], int] = {}
+
+    def new_nodes(self, path: list[int]) -> int:
+        node, depth = -1, 0
+        while depth < len(path) and (node, path[depth]) in self._children:
+            node = self._children[(node, path[depth])]
+            depth += 1
+        return len(path) - depth
+
+    def add(self, path: list[int]) -> list[int]:
+        """The node of each prefix of ``path`` (created where missing)."""
+        node, nodes = -1, []
+        for depth, token in enumerate(path):
+            child = self._children.get((node, token))
+            if child is None:
+                child = len(self.tokens)
+                self._children[(node, token)] = child
+                self.tokens.append(token)
+                self.parents.append(node)
+                self.depths.append(depth)
+            nodes.append(child)
+            node = child
+        return nodes
+
+    def subtree_ends(self) -> list[int]:
+        ends = [k + 1 for k in range(len(self.tokens))]
+        for k in reversed(range(len(self.tokens))):
+            if self.parents[k] >= 0:
+                ends[self.parents[k]] = max(ends[self.parents[k]], ends[k])
+        return ends
+
+
+@dataclass
+class PrefixForest:
+    """The forward's inputs and how to read every sample's logprobs back from it."""
+
+    input_ids: torch.Tensor  # [R, W] node tokens (0 in padding)
+    position_ids: torch.Tensor  # [R, W] node depths
+    allowed: torch.Tensor  # [R, 1, W, W] bool: query node may attend to key node
+    parents: torch.Tensor  # [K] flat node index (r * W + w) whose logits predict node k
+    targets: torch.Tensor  # [K] node k's token
+    pick: torch.Tensor  # [T] which of the K nodes each generated token of the batch is
+    rows: torch.Tensor  # [T] its sample
+    cols: torch.Tensor  # [T] its column
+
+
+def build_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor, versions: torch.Tensor,
+                 row_budget: int | None = None) -> PrefixForest:
+    """The prefix forest of a right-padded batch (see the module doc). ``row_budget`` defaults
+    to ``ROW_FACTOR`` x the longest sample, at most ``ROW_CAP``."""
+    n = input_ids.shape[0]
+    lengths = attention_mask.sum(-1).tolist()
+    starts = generation_starts(attention_mask, versions).tolist()
+    seqs = [row[:length] for row, length in zip(input_ids.tolist(), lengths, strict=True)]
+    longest = max(lengths)
+    budget = max(longest, row_budget or min(ROW_FACTOR * longest, ROW_CAP))
+
+    # Units: one prompt's samples (a split group's parts each hold their own prompt copy).
+    groups: dict[tuple[tuple[int, ...], int], list[int]] = {}
+    for i in range(n):
+        groups.setdefault((tuple(seqs[i][: starts[i]]), starts[i]), []).append(i)
+    units: list[tuple[int, list[int]]] = []
+    for members in groups.values():
+        members.sort(key=lambda i: seqs[i])
+        trie, part = _Trie(), []
+        for i in members:
+            if part and len(trie.tokens) + trie.new_nodes(seqs[i]) > budget:
+                units.append((len(trie.tokens), part))
+                trie, part = _Trie(), []
+            trie.add(seqs[i])
+            part.append(i)
+        units.append((len(trie.tokens), part))
+
+    # Rows: first fit, largest unit first. Each unit keeps a trie of its own inside its row, so
+    # the row's nodes stay in preorder per unit.
+    width_cap = max(budget, max(size for size, _ in units))
+    rows: list[list[list[int]]] = []
+    fill: list[int] = []
+    for size, part in sorted(units, key=lambda u: -u[0]):
+        target = next((r for r, used in enumerate(fill) if used + size <= width_cap), None)
+        if target is None:
+            rows.append([])
+            fill.append(0)
+            target = len(rows) - 1
+        rows[target].append(part)
+        fill[target] += size
+
+    width = max(fill)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    depths = torch.zeros(len(rows), width, dtype=torch.long)
+    ends = torch.arange(1, width + 1).repeat(len(rows), 1)  # padding: itself only
+    node_of: list[tuple[int, list[int]]] = [(0, [])] * n
+    for r, parts in enumerate(rows):
+        offset = 0
+        for part in parts:
+            trie = _Trie()
+            for i in part:
+                node_of[i] = (r * width + offset, trie.add(seqs[i]))
+            m = len(trie.tokens)
+            tokens[r, offset: offset + m] = torch.tensor(trie.tokens)
+            depths[r, offset: offset + m] = torch.tensor(trie.depths)
+            ends[r, offset: offset + m] = torch.tensor(trie.subtree_ends()) + offset
+            offset += m
+    # Key b is an ancestor of query a (or a itself) iff a lies in b's subtree range [b, end_b).
+    cols_w = torch.arange(width)
+    allowed = (cols_w.view(1, 1, width) <= cols_w.view(1, width, 1)) & (
+        cols_w.view(1, width, 1) < ends.view(len(rows), 1, width))
+
+    # Every generated token (columns from the sample's start on; column 0 has no parent and
+    # stays 0, as in sequence_logprobs) is its node's; each node's logprob is computed once.
+    index: dict[int, int] = {}
+    parents, targets, pick, sample_rows, sample_cols = [], [], [], [], []
+    for i in range(n):
+        base, nodes = node_of[i]
+        for j in range(max(starts[i], 1), lengths[i]):
+            flat = base + nodes[j]
+            k = index.get(flat)
+            if k is None:
+                k = index[flat] = len(parents)
+                parents.append(base + nodes[j - 1])
+                targets.append(seqs[i][j])
+            pick.append(k)
+            sample_rows.append(i)
+            sample_cols.append(j)
+    return PrefixForest(tokens, depths, allowed.unsqueeze(1), torch.tensor(parents, dtype=torch.long),
+                        torch.tensor(targets, dtype=torch.long), torch.tensor(pick, dtype=torch.long),
+                        torch.tensor(sample_rows, dtype=torch.long),
+                        torch.tensor(sample_cols, dtype=torch.long))
+
+
+def prefix_tree_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
+                         attention_mask: torch.Tensor, versions: torch.Tensor,
+                         temperature: float) -> torch.Tensor:
+    """:func:`sequence_logprobs` at the generated tokens, each distinct prefix computed once.
+    Columns before a row's first generated token are 0 (the loss never reads them). Models whose
+    attention takes no prepared mask (flash-attention kernels) run the rows whole."""
+    config = getattr(model, "module", model).config  # a DeepSpeed engine wraps the model
+    if getattr(config, "_attn_implementation", "sdpa") not in MASKED_ATTENTION:
+        return sequence_logprobs(model, input_ids, attention_mask, temperature)
+    n, width = input_ids.shape
+    device = input_ids.device
+    forest = build_forest(input_ids.cpu(), attention_mask.cpu(), versions.cpu())
+    mask = forest.allowed.to(device)
+    if config._attn_implementation == "eager":  # eager attention adds the mask to its scores
+        dtype = next(model.parameters()).dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(
+            ~mask, torch.finfo(dtype).min)
+    logits = model(input_ids=forest.input_ids.to(device), position_ids=forest.position_ids.to(device),
+                   attention_mask=mask, use_cache=False).logits
+    picked = logits.reshape(-1, logits.shape[-1]).index_select(0, forest.parents.to(device))
+    node_logp = torch.log_softmax(picked.float() / temperature, dim=-1).gather(
+        -1, forest.targets.to(device).unsqueeze(-1)).squeeze(-1)
+    out = torch.zeros(n, width, dtype=node_logp.dtype, device=device)
+    return out.index_put((forest.rows.to(device), forest.cols.to(device)),
+                         node_logp[forest.pick.to(device)])
