@@ -3,8 +3,8 @@
 transformers' ``DynamicCache`` grows by concatenation: every decode step copies every row's whole
 cache (``torch.cat`` per layer), a joining group is copied twice (its prompt's cache to each
 row, then the merge with the running batch) and a finished row copies the whole batch again
-(index selection). For a small model those copies cost more than the matmuls: in a py-spy /
-cProfile of the engine on the demo task, cat + index_select took 0.32 s against 0.25 s of
+(index selection). For a small model those copies cost more than the matmuls: in a cProfile
+of the engine on the demo task, cat + index_select took 0.32 s against 0.25 s of
 ``linear``. Here a decode step writes one column in place; a joining row is written once into
 its slot; a finished row's slot is refilled by moving the last row into it.
 
