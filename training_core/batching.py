@@ -41,3 +41,17 @@ def build_train_batch(groups: list[TrajectoryGroup], *, pad_id: int, algo: Algor
         versions=torch.tensor(pad([s.versions for s in samples], PROMPT_VERSION), dtype=torch.long),
         advantages=adv.view(-1, 1) * loss_mask,
     )
+
+
+def rows_with_gradient(batch: TrainBatch, *, kl: bool) -> list[int]:
+    """The rows whose loss can have a non-zero gradient: those with a loss token whose advantage
+    is not zero, or, with a KL term (``kl``), any loss token.
+
+    Every other row adds exactly zero to the policy loss and its gradient: the clipped surrogate
+    of a token is ``w * max(-A r, -A clip(r))``, 0 for ``A = 0`` whatever the ratio, and a row
+    without loss tokens (a prompt-only row, a sample dropped as too stale) is masked out whole.
+    GRPO-style advantages make such rows common: a group whose samples all got the same reward
+    (all right on an easy task, all wrong on a hard one) has ``A = 0`` for every token. The
+    trainer skips their forward and backward; they still count in the token-mean denominator."""
+    signal = batch.loss_mask.bool() if kl else (batch.advantages != 0) & batch.loss_mask.bool()
+    return signal.any(dim=1).nonzero().flatten().tolist()

@@ -191,6 +191,10 @@ class TrainerSpec(_Section):
         "of its answers, identical answers (the forward runs over a prefix forest, see "
         "training_core/engines/prefix_tree.py): the same logprobs and gradients with fewer "
         "tokens of compute. Off: every sample runs as a padded row"))
+    skip_zero_gradient_rows: bool = Field(True, description=(
+        "no forward or backward for samples whose loss has no gradient: every advantage zero "
+        "(a group whose samples all got the same reward) and no KL term, or dropped as too "
+        "stale. Exact: they still count in the token mean. Off: every sample is computed"))
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="the trainer's collective backend; auto: nccl on GPUs, else gloo")

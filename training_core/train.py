@@ -36,7 +36,7 @@ from tqdm import tqdm
 from training_core.algorithms.loss import decoupled_ppo_loss
 from training_core.algorithms.presets import AlgorithmConfig, resolve_algorithm
 from training_core.api import MetricsSink, SamplingParams, TrainBatch
-from training_core.batching import build_train_batch
+from training_core.batching import build_train_batch, rows_with_gradient
 from training_core.checkpoint import (
     checkpoint_dir,
     latest_checkpoint,
@@ -154,7 +154,7 @@ def sample_records(groups, tokenizer, n: int, extract: str = "auto") -> list[dic
 
 
 def proximal_and_reference(trainer: DeepSpeedTrainer, tb: TrainBatch, algo: AlgorithmConfig,
-                           spec: RunSpec, version: int
+                           spec: RunSpec, version: int, compute_rows: list[int] | None = None
                            ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
     """Logprobs of the policy before this update (version ``version``) and of the reference
     policy for KL presets, and how many rows took a separate trainer forward for the first.
@@ -162,8 +162,9 @@ def proximal_and_reference(trainer: DeepSpeedTrainer, tb: TrainBatch, algo: Algo
     With one minibatch (one optimizer step per batch, the default) no separate pass is needed:
     None tells the update to use its own forward, which runs before the step (exact). With more,
     a row the current version generated has proximal = behaviour logprobs and the others are
-    recomputed (``staleness.rows_needing_proximal``). Under ZeRO-3 with several ranks a forward
-    is a collective, so every rank recomputes all of its rows (the same number of forwards)."""
+    recomputed (``staleness.rows_needing_proximal``), among ``compute_rows`` (the rows the update
+    computes; None: all). Under ZeRO-3 with several ranks a forward is a collective, so every
+    rank recomputes all of its rows (the same number of forwards)."""
     ref = trainer.logprobs(tb, trainer.reference) if trainer.reference is not None else None
     mode = spec.trainer.recompute_proximal if algo.decoupled else "never"
     if mode != "never" and spec.trainer.ppo_minibatches == 1:
@@ -171,6 +172,8 @@ def proximal_and_reference(trainer: DeepSpeedTrainer, tb: TrainBatch, algo: Algo
     if mode == "stale" and trainer.zero_stage == 3 and rank_and_world()[1] > 1:
         mode = "always"
     rows = rows_needing_proximal(tb.versions, tb.loss_mask, version, mode)
+    if compute_rows is not None and mode != "always":
+        rows = sorted(set(rows) & set(compute_rows))
     prox = tb.behav_logp.clone()
     if len(rows) == len(prox):
         prox = trainer.logprobs(tb)
@@ -317,15 +320,19 @@ def collective_update(trainer: DeepSpeedTrainer, tb: TrainBatch, algo: Algorithm
     # 3. Proximal logprobs: the policy right before this update. With one minibatch the update's
     #    own forward gives them (None here); with more, a trainer forward for the rows an older
     #    version generated (a row the current version generated has them already).
+    #    Rows whose loss has no gradient (all advantages zero, no KL) are not computed at all.
+    rows = rows_with_gradient(tb, kl=algo.kl_coef > 0) if spec.trainer.skip_zero_gradient_rows \
+        else None
     if threads is not None:
         threads.update()
     with timers("proximal_logp"):
-        prox, ref, recomputed = proximal_and_reference(trainer, tb, algo, spec, version - 1)
+        prox, ref, recomputed = proximal_and_reference(trainer, tb, algo, spec, version - 1, rows)
     # 4. Policy update: decoupled PPO, token mean over the global batch.
     with timers("update"):
         stats = trainer.train_step(tb, prox, ppo_loss(algo), minibatches=spec.trainer.ppo_minibatches,
-                                   ref_logp=ref,
+                                   ref_logp=ref, compute_rows=rows,
                                    before_micro_batch=threads.update if threads else None)
+    stats["computed_rows_frac"] = stats.pop("computed_rows") / max(1, tb.input_ids.shape[0])
     stats["proximal_recomputed_frac"] = recomputed / max(1, tb.input_ids.shape[0])
     stats["threads_borrowed_phases"] = threads.release() if threads is not None else 0
     # 5. Export the new weights (generation keeps running meanwhile).
@@ -364,13 +371,15 @@ def step_metrics(batch: Batch, stats: dict[str, float], *, version: int, running
     from :func:`batch_metrics`)."""
     tokens = stats["tokens"]
     per_token = max(tokens, 1.0)
+    per_computed = max(stats["computed_tokens"], 1.0)  # the skipped rows have no weights
     return {
         "loss": stats["loss"],
         "clip_frac": stats["clipped"] / per_token,
-        "behav_weight/mean": stats["behav_weight_sum"] / per_token,
+        "behav_weight/mean": stats["behav_weight_sum"] / per_computed,
         "behav_weight/max": stats["behav_weight_max"],
-        "behav_weight/masked_frac": stats["behav_masked"] / per_token,
+        "behav_weight/masked_frac": stats["behav_masked"] / per_computed,
         "kl": stats["kl_sum"] / per_token,
+        "update/computed_rows_frac": stats["computed_rows_frac"],
         "grad_norm": stats["grad_norm"],
         "proximal/recomputed_frac": stats["proximal_recomputed_frac"],
         "time/trainer_threads_borrowed": stats["threads_borrowed_phases"],

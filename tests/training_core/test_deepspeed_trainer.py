@@ -224,3 +224,54 @@ def test_one_minibatch_takes_the_proximal_logprobs_from_its_own_forward(tiny_mod
     with pytest.raises(ValueError, match="minibatches"):
         DeepSpeedTrainer(tiny_model_dir, lr=1e-3, weight_decay=0.0, grad_clip=1.0,
                          zero_stage=0).train_step(b, None, loss_fn, minibatches=2)
+
+
+def _with_zero_rows(seed: int) -> TrainBatch:
+    """Rows 1 and 4 have zero advantage (a group all right or all wrong), row 3 no loss token
+    (dropped as too stale); the others carry the gradient."""
+    b = _batch(n=6, seed=seed)
+    b.advantages[1] = 0.0
+    b.advantages[4] = 0.0
+    b.loss_mask[3] = 0.0
+    b.advantages[3] = 0.0
+    return b
+
+
+def test_rows_with_gradient_are_those_with_a_nonzero_advantage_or_any_loss_token_under_kl():
+    from training_core.batching import rows_with_gradient
+
+    b = _with_zero_rows(seed=5)
+    assert rows_with_gradient(b, kl=False) == [0, 2, 5]
+    assert rows_with_gradient(b, kl=True) == [0, 1, 2, 4, 5], "KL pulls on every loss token"
+
+
+@pytest.mark.parametrize("minibatches", [1, 3])
+def test_skipping_rows_without_gradient_gives_the_same_update(tiny_model_dir, minibatches):
+    """Same weights after two updates (AdamW state included), same loss, token count and clip
+    fraction; one minibatch of the three has no row with a gradient (its step still runs)."""
+    from training_core.batching import rows_with_gradient
+
+    loss_fn = lambda *a, **k: decoupled_ppo_loss(*a, cfg=PRESETS["grpo"], **k)  # noqa: E731
+    results = []
+    for skip in (False, True):
+        t = DeepSpeedTrainer(tiny_model_dir, lr=1e-3, weight_decay=0.1, grad_clip=1e9,
+                             zero_stage=0, micro_batch_tokens=25)
+        steps = []
+        for seed in (7, 8):
+            b = _with_zero_rows(seed)
+            b.behav_logp = t.logprobs(b)
+            rows = rows_with_gradient(b, kl=False) if skip else None
+            prox = t.logprobs(b) if minibatches > 1 else None
+            steps.append(t.train_step(b, prox, loss_fn, minibatches=minibatches, compute_rows=rows))
+        results.append((steps, {k: v.clone() for k, v in t.engine.module.state_dict().items()}))
+    (full, w_full), (skipped, w_skipped) = results
+    for a, b in zip(full, skipped, strict=True):
+        # Up to float summation order: the micro-batches hold other rows.
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert b["tokens"] == a["tokens"] and b["clipped"] == a["clipped"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["computed_rows"] < a["computed_rows"] == 6
+    for k, v in w_full.items():
+        torch.testing.assert_close(w_skipped[k], v, atol=1e-4, rtol=1e-4)
+    if minibatches == 3:  # chunks [0, 3], [1, 4], [2, 5]: the second has no gradient
+        assert skipped[0]["computed_rows"] == 1 + 1 + 2

@@ -204,6 +204,7 @@ class DeepSpeedTrainer:
     def train_step(self, batch: TrainBatch, prox_logp: torch.Tensor | None,
                    loss_fn: Callable[..., Any], *, minibatches: int = 1,
                    ref_logp: torch.Tensor | None = None,
+                   compute_rows: list[int] | None = None,
                    before_micro_batch: Callable[[], None] | None = None) -> dict[str, float]:
         """One PPO pass over ``batch`` split in ``minibatches`` optimizer steps.
 
@@ -216,6 +217,14 @@ class DeepSpeedTrainer:
         logprobs, detached, are the proximal logprobs exactly (no separate pass; TRL does the
         same for on-policy steps). Only a later minibatch needs them computed beforehand.
 
+        ``compute_rows``: the rows whose loss can have a gradient (``batching.rows_with_gradient``;
+        None: all). The others get no forward or backward and still count in their minibatch's
+        token-mean denominator, so the gradient is the same. A minibatch with none still computes
+        one row (its gradient is exactly zero): AdamW must step on zero gradients, not on none, and
+        every rank takes part in the reduction. Under ZeRO-3 with several ranks every forward is a
+        collective, so every row is computed there. The stats' ``computed_tokens`` are the output
+        tokens that went through the loss (behaviour-weight means are over those).
+
         ``before_micro_batch`` runs before each micro-batch (the trainer re-balances its threads
         there, see train.ThreadShare).
         """
@@ -226,24 +235,30 @@ class DeepSpeedTrainer:
         n = batch.input_ids.shape[0]
         order = list(range(n))
         chunks = [order[i::minibatches] for i in range(minibatches) if order[i::minibatches]]
-        totals = {"loss": 0.0, "tokens": 0.0, "clipped": 0.0, "behav_weight_sum": 0.0,
-                  "behav_weight_max": 0.0, "behav_masked": 0.0, "kl_sum": 0.0, "grad_norm": 0.0}
+        totals = {"loss": 0.0, "tokens": 0.0, "computed_tokens": 0.0, "clipped": 0.0,
+                  "behav_weight_sum": 0.0, "behav_weight_max": 0.0, "behav_masked": 0.0,
+                  "kl_sum": 0.0, "grad_norm": 0.0, "computed_rows": 0.0}
         rank, world = rank_and_world()
         if world > 1 and len(chunks) != minibatches:
             raise ValueError(f"rank {rank} got {n} samples for {minibatches} minibatches: every rank "
                              "needs at least one sample per minibatch")
+        wanted = None if compute_rows is None or (self.zero_stage == 3 and world > 1) \
+            else set(compute_rows)
         for chunk in chunks:
-            sub = batch.select(chunk)
-            num_tokens = float(sub.loss_mask.sum())
+            num_tokens = float(batch.loss_mask[torch.tensor(chunk)].sum())
+            totals["tokens"] += num_tokens
             if world > 1:
                 # DeepSpeed averages gradients over ranks; normalising each rank's sum by
                 # (global tokens / world) makes that average the global token mean.
                 num_tokens = _all_reduce_sum([num_tokens])[0] / world
+            kept = chunk if wanted is None else [r for r in chunk if r in wanted] or chunk[:1]
+            totals["computed_rows"] += len(kept)
+            sub = batch.select(kept)
             for idx in self._micro_batches(sub):
                 if before_micro_batch is not None:
                     before_micro_batch()
                 mb = sub.select(idx)
-                rows = torch.tensor([chunk[i] for i in idx])
+                rows = torch.tensor([kept[i] for i in idx])
                 width = mb.input_ids.shape[1]
                 logp = self._forward_logprobs(self.engine, mb)
                 prox = (logp.detach() if prox_logp is None
@@ -256,7 +271,7 @@ class DeepSpeedTrainer:
                 )
                 self.engine.backward(loss, scale_wrt_gas=False)
                 totals["loss"] += float(loss.detach())
-                totals["tokens"] += stats.tokens
+                totals["computed_tokens"] += stats.tokens
                 totals["clipped"] += stats.clipped
                 totals["behav_weight_sum"] += stats.behav_weight_sum
                 totals["behav_weight_max"] = max(totals["behav_weight_max"], stats.behav_weight_max)
@@ -268,7 +283,8 @@ class DeepSpeedTrainer:
             norm = float(norm) if norm is not None else local_norm
             totals["grad_norm"] = max(totals["grad_norm"], norm)
         if world > 1:  # metrics describe the global batch
-            keys = ["loss", "tokens", "clipped", "behav_weight_sum", "behav_masked", "kl_sum"]
+            keys = ["loss", "tokens", "computed_tokens", "clipped", "behav_weight_sum",
+                    "behav_masked", "kl_sum", "computed_rows"]
             summed = _all_reduce_sum([totals[k] for k in keys])
             totals.update(dict(zip(keys, summed, strict=True)))
             totals["loss"] /= world
