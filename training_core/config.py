@@ -113,6 +113,14 @@ class RolloutSpec(_Section):
     request_timeout_s: float = Field(300.0, gt=0, description="per generation request")
     max_interruptions: int = Field(
         16, ge=1, description="weight updates one sample may span before its episode fails")
+    pause_mode: Literal["auto", "abort", "in_place"] = Field("auto", description=(
+        "what a weight update does to samples in flight. abort: they return what they have and "
+        "are sent again with it, so their KV cache is recomputed with the new weights (AReaL's "
+        "interruptible rollout). in_place: they stay paused on the server and go on with the new "
+        "weights over the KV cache of the old ones (SGLang's in_place pause; needs an SGLang "
+        "whose weight updates take flush_cache; nothing recomputed or sent again). auto: "
+        "in_place on the embedded backend (a CPU prefill is expensive: recomputing was a third "
+        "of the server's time on the long-tail benchmark), abort on SGLang"))
     batch_timeout_s: float = Field(
         600.0, gt=0, description="fail the run if no training batch is ready for this long")
     workflow: str = Field("rlvr", description="rlvr | multi_turn | module:Class")
@@ -127,6 +135,13 @@ class RolloutSpec(_Section):
         if self.top_k == 0:
             raise ValueError("top_k 0 is refused by SGLang: use -1 to disable top-k, or >= 1")
         return self
+
+    @property
+    def interrupt_mode(self) -> str:
+        """``pause_mode`` with auto resolved."""
+        if self.pause_mode != "auto":
+            return self.pause_mode
+        return "in_place" if self.backend == "embedded" else "abort"
 
     @property
     def token_staleness_bound(self) -> int:

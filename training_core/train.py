@@ -283,7 +283,7 @@ class RolloutProfile:
         self._http.close()
 
     def _measure(self) -> dict[str, float]:
-        busy, batch, rate = [], [], []
+        busy, prefill, batch, rate = [], [], [], []
         for url in list(self.urls):
             try:
                 info = self._http.get(f"{url}/server_info").json()
@@ -299,6 +299,8 @@ class RolloutProfile:
                 steps = info["steps"] - before["steps"]
                 tokens = info["tokens_generated"] - before["tokens_generated"]
                 busy.append(min(1.0, (info["busy_s"] - before["busy_s"]) / wall))
+                if "prefill_s" in info and "prefill_s" in before:
+                    prefill.append(min(1.0, (info["prefill_s"] - before["prefill_s"]) / wall))
                 rate.append(tokens / wall)
                 if steps > 0:
                     batch.append(tokens / steps)
@@ -307,6 +309,8 @@ class RolloutProfile:
         if busy:
             out["rollout/server_busy_frac"] = statistics.fmean(busy)
             out["rollout/tokens_per_s_per_server"] = statistics.fmean(rate)
+        if prefill:
+            out["rollout/server_prefill_frac"] = statistics.fmean(prefill)
         if batch:
             out["rollout/decode_batch_mean"] = statistics.fmean(batch)
         return out
@@ -440,7 +444,8 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
                                      seed=server_seed(spec.seed, version), weight_version=0)
         urls = fleet.urls
     client = RolloutClient(urls, timeout_s=spec.rollout.request_timeout_s,
-                           max_interruptions=spec.rollout.max_interruptions)
+                           max_interruptions=spec.rollout.max_interruptions,
+                           pause_mode=spec.rollout.interrupt_mode)
     staleness = StalenessManager(batch_groups=B, max_staleness=spec.rollout.max_staleness,
                                  max_concurrent=spec.rollout.max_concurrent)
     loader = PromptLoader(data.train, spec.seed)

@@ -178,7 +178,8 @@ class DistributedSync:
             last = i == len(self._buckets) - 1
             announce = asyncio.ensure_future(client.update_weights_from_distributed(
                 names=bucket.names, dtypes=bucket.dtypes, shapes=bucket.shapes,
-                group_name=self.group_name, version=version if last else None, flush_cache=last,
+                group_name=self.group_name, version=version if last else None,
+                flush_cache=last and client.flush_cache,
                 load_format="flattened_bucket" if self.flatten else None))
             sent = _ThreadResult(functools.partial(broadcast_from_trainer, self.group,
                                                    bucket.tensors))

@@ -165,6 +165,38 @@ def test_client_resubmits_interrupted_requests_across_versions(tiny_model_dir, t
         assert len(resp.output_logprobs) == 300
 
 
+def test_in_place_pause_carries_requests_across_a_weight_update(tiny_model_dir, tmp_path):
+    """pause_mode in_place over HTTP: the generations in flight are never aborted or sent again;
+    they finish whole after the update, labelled with the version they started at, and the
+    server serves the new version."""
+    from tests.training_core.conftest import start_server
+
+    fleet, url = start_server(tiny_model_dir, tmp_path / "s.log")
+    path = _perturbed_weights(tiny_model_dir, tmp_path / "v1")
+
+    async def scenario():
+        client = RolloutClient([url], pause_mode="in_place")
+        task = asyncio.create_task(client.agenerate_group(GenerationRequest(
+            [40, 41], SamplingParams(max_new_tokens=300, ignore_eos=True)), 3))
+        await asyncio.to_thread(_wait_generating, url, 10)
+        await client.pause()
+        await client.update_weights_from_disk(str(path), 1)
+        await client.resume()
+        resp = await task
+        await client.aclose()
+        return resp
+
+    try:
+        responses = asyncio.run(scenario())
+        after = generate(url, [40, 41], max_new_tokens=2)
+    finally:
+        fleet.stop()
+    for resp in responses:
+        assert len(resp.output_ids) == 300 and resp.finish_reason == "length"
+        assert resp.interruptions == 0 and resp.output_versions == [0] * 300
+    assert after["meta_info"]["weight_version"] == "1"
+
+
 @pytest.mark.parametrize("n_servers", [2])
 def test_client_routes_over_several_servers_and_survives_one_dying(tiny_model_dir, tmp_path, n_servers):
     from tests.training_core.conftest import start_server

@@ -19,9 +19,14 @@ from training_core.models.loading import load_model
 def engine(tiny_model_dir):
     eng = GenerationEngine(str(tiny_model_dir), seed=3)
     batches: list[int] = []
-    eng.model.register_forward_pre_hook(
-        lambda _m, _a, kw: batches.append(kw["input_ids"].shape[0]), with_kwargs=True)
-    eng.forward_batches = batches
+    tokens: list[int] = []  # a prefill's distinct prefix nodes (rows hold prefix forests)
+
+    def record(_m, _a, kw):
+        batches.append(kw["input_ids"].shape[0])
+        tokens.append(int((kw["input_ids"] != 0).sum()))
+
+    eng.model.register_forward_pre_hook(record, with_kwargs=True)
+    eng.forward_batches, eng.forward_tokens = batches, tokens
     yield eng
     eng.shutdown()
 
@@ -73,7 +78,7 @@ def test_an_idle_engine_gathers_requests_arriving_together(engine, monkeypatch):
     prompts = [[5 + i] * (2 + i) for i in range(4)]
     started = time.perf_counter()
     _run(engine, prompts, gap_s=0.02, max_new_tokens=3)
-    assert engine.forward_batches[0] == 4, engine.forward_batches
+    assert engine.forward_tokens[0] == sum(len(p) for p in prompts), engine.forward_tokens
     assert time.perf_counter() - started < 3.0, "the engine starts once arrivals stop"
 
 
@@ -81,4 +86,61 @@ def test_the_gathering_window_is_bounded(engine, monkeypatch):
     monkeypatch.setattr(generation_engine, "ADMIT_QUIET_S", 0.2)
     monkeypatch.setattr(generation_engine, "ADMIT_WINDOW_S", 0.05)
     _run(engine, [[5, 6], [7, 8, 9]], gap_s=0.15, max_new_tokens=20)
-    assert engine.forward_batches[0] == 1, "the first request started when the window closed"
+    assert engine.forward_tokens[0] == 2, "the first request started when the window closed"
+
+
+def test_requests_paused_in_place_go_on_with_new_weights_over_their_old_kv(engine, tiny_model_dir,
+                                                                           tmp_path):
+    """SGLang's in_place pause: an update that would flush the cache is refused; one with
+    flush_cache false loads under the paused request, which then continues (not aborted, not
+    recomputed): its next tokens come from the new weights over the KV of the old ones."""
+    import threading
+
+    from safetensors.torch import save_file
+    from transformers import DynamicCache
+
+    old = load_model(tiny_model_dir).eval()
+    new = load_model(tiny_model_dir).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    (tmp_path / "v1").mkdir()
+    save_file({k: v.contiguous() for k, v in new.state_dict().items() if k != "lm_head.weight"},
+              str(tmp_path / "v1" / "model.safetensors"))
+
+    prompt, budget, result = [7, 8, 9, 10], 40, {}
+    thread = threading.Thread(target=lambda: result.update(
+        _run(engine, [prompt], max_new_tokens=budget)[0]))
+    thread.start()
+    deadline = time.time() + 30
+    while engine.tokens_generated < 6:
+        assert time.time() < deadline, "the engine did not start generating"
+        time.sleep(0.001)
+    engine.pause("in_place")
+    before = len(engine._active[0].output)  # sampled so far; the last is not in the KV yet
+    refused = engine.update_weights(str(tmp_path / "v1"), "1")
+    assert not refused["success"] and "flush_cache" in refused["message"]
+    assert engine.update_weights(str(tmp_path / "v1"), "1", flush_cache=False)["success"]
+    engine.resume()
+    thread.join(30)
+    out = result["output_ids"]
+    assert len(out) == budget and result["meta_info"]["finish_reason"]["type"] == "length"
+    assert result["meta_info"]["weight_version"] == "0", "the version it started with"
+    assert 0 < before < budget
+
+    got = torch.tensor([x[0] for x in result["meta_info"]["output_token_logprobs"]])
+    with torch.no_grad():
+        ids = torch.tensor([prompt + out])
+        ref_old = sequence_logprobs(old, ids, torch.ones_like(ids), 1.0)[0, len(prompt):]
+        cache = DynamicCache()
+        old(input_ids=torch.tensor([prompt + out[: before - 1]]), past_key_values=cache,
+            use_cache=True)
+        ref_new = []
+        for j in range(before - 1, budget - 1):
+            step = new(input_ids=torch.tensor([[out[j]]]), past_key_values=cache, use_cache=True,
+                       position_ids=torch.tensor([[len(prompt) + j]]))
+            ref_new.append(torch.log_softmax(step.logits[0, -1], -1)[out[j + 1]])
+    torch.testing.assert_close(got[:before], ref_old[:before], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[before:], torch.stack(ref_new), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got[before:], ref_old[before:], atol=1e-2), "new weights were used"

@@ -135,6 +135,42 @@ def test_abort_during_a_pause_resumes_with_the_partial_output_after_continue():
     assert second["sampling_params"]["max_new_tokens"] == 2
 
 
+def test_in_place_pause_keeps_requests_on_the_server_and_labels_them_with_their_start():
+    """pause_mode in_place: the pause says so, the weight update keeps the KV cache
+    (flush_cache false), the request in flight is never sent again, and its tokens, generated on
+    both sides of the update, all get the version it started with (the oldest)."""
+    async def scenario():
+        paused = asyncio.Event()
+
+        async def finishes_after_the_update():
+            await paused.wait()
+            return reply([10, 11, 12, 13], "length", version="1")
+
+        server = ScriptedSGLang(lambda body, n: (200, finishes_after_the_update()))
+        client = client_for(server, pause_mode="in_place")
+        task = asyncio.create_task(client.agenerate(request(max_new_tokens=4)))
+        await asyncio.sleep(0.02)
+        await client.pause()
+        await client.update_weights_from_disk("/weights/v1", 1)
+        await client.resume()
+        paused.set()
+        return await asyncio.wait_for(task, 5), server
+
+    resp, server = run(scenario())
+    assert server.generate_calls == 1 and resp.interruptions == 0
+    assert resp.output_ids == [10, 11, 12, 13] and resp.output_versions == [0, 0, 0, 0]
+    bodies = {path: body for _, path, body in server.requests}
+    assert bodies["/pause_generation"] == {"mode": "in_place"}
+    assert bodies["/update_weights_from_disk"]["flush_cache"] is False
+    assert [p for m, path, b in server.requests for p in check_request(m, path, b)] == []
+
+
+def test_abort_mode_leaves_flush_cache_to_the_server_default():
+    server = ScriptedSGLang(lambda body, n: (200, reply([1])))
+    run(client_for(server).update_weights_from_disk("/weights/v1", 1))
+    assert "flush_cache" not in server.requests[0][2], "older SGLang releases lack the field"
+
+
 def test_an_interruption_that_used_the_whole_budget_is_not_resubmitted():
     async def scenario():
         paused = asyncio.Event()

@@ -5,10 +5,9 @@ tokens."""
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
 from training_core.engines import slot_cache
-from training_core.engines.slot_cache import ATTENTION, SlotCache, prefill_mask
+from training_core.engines.slot_cache import ATTENTION, SlotCache, forest_prefill
 from training_core.models.loading import load_model
 
 
@@ -20,23 +19,16 @@ class Batch:
 
     @torch.no_grad()
     def join(self, prompts: list[list[int]]) -> torch.Tensor:
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=prefill_mask(mask),
-                         position_ids=(mask.cumsum(-1) - 1).clamp(min=0), past_key_values=cache,
-                         use_cache=True)
+        layers_kv, mask, logits = forest_prefill(self.model, prompts, torch.device("cpu"))
         if self.slots is None:
-            keys = cache.layers[0].keys
-            self.slots = SlotCache(len(cache.layers), keys.shape[1], keys.shape[3], keys.dtype,
+            keys = layers_kv[0][0]
+            self.slots = SlotCache(len(layers_kv), keys.shape[1], keys.shape[3], keys.dtype,
                                    torch.device("cpu"))
-        self.slots.join([(c.keys, c.values) for c in cache.layers], mask,
-                        torch.arange(len(prompts)))
+        self.slots.join(layers_kv, mask, torch.arange(len(prompts)))
         pos = mask.sum(-1)
         self.next_pos = pos if self.next_pos is None else torch.cat([self.next_pos, pos])
         self.rows += [list(p) for p in prompts]
-        return out.logits[:, -1]
+        return logits
 
     @torch.no_grad()
     def decode(self, tokens: list[int]) -> torch.Tensor:
@@ -94,9 +86,25 @@ def test_decoding_through_joins_moves_and_growth_matches_full_forwards(tiny_mode
     assert batch.slots.valid.shape[1] > 128 and batch.slots.valid.shape[0] > 16
 
 
-def test_a_prefill_with_left_padding_keeps_every_position_finite():
-    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
-    allowed = prefill_mask(mask)[:, 0]
-    assert allowed.any(-1).all(), "every query position attends to something"
-    assert not allowed[0, 2, :2].any(), "real tokens never attend to padding"
-    assert allowed[1].equal(torch.ones(4, 4, dtype=torch.bool).tril())
+def test_a_forest_prefill_shares_prefixes_and_splits_rows_and_matches_full_forwards(
+        tiny_model_dir, monkeypatch):
+    """Samples resumed after a weight update: one prompt, answers with common starts, one answer
+    a prefix of another, a second prompt; rows split (small budget), then decoding goes on."""
+    monkeypatch.setattr(slot_cache, "PREFILL_ROW_NODES", 16)
+    model = load_model(tiny_model_dir).eval()
+    model.config._attn_implementation = ATTENTION
+    reference = load_model(tiny_model_dir).eval()
+    prompt, other = [5, 9, 13, 7, 21, 4], [8, 8, 30]
+    seqs = [prompt + [40, 41, 42], prompt + [40, 41, 50, 51], prompt + [40], prompt + [33, 34],
+            other + [12, 12, 12, 12, 12], other + [12], prompt + [40, 41, 42, 43, 44, 45]]
+    forest = slot_cache.prefill_forest(seqs, 16)
+    assert forest.input_ids.shape[0] > 1, "the budget splits the forest into rows"
+    assert int((forest.input_ids != 0).sum()) < sum(len(q) for q in seqs), "prefixes shared"
+
+    batch = Batch(model)
+    logits = batch.join([list(q) for q in seqs])
+    torch.testing.assert_close(logits, _reference(reference, seqs), atol=1e-4, rtol=1e-4)
+    for step in range(5):
+        logits = batch.decode([3 + step] * len(seqs))
+        torch.testing.assert_close(logits, _reference(reference, batch.rows), atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, step=step: f"decode step {step}: {m}")

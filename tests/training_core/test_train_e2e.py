@@ -82,6 +82,9 @@ def test_async_steps_versions_staleness_and_weights_reach_the_server(tiny_model_
     profiled = [r for r in steps if "rollout/server_busy_frac" in r]
     assert len(profiled) >= len(steps) - 1
     assert all(0 < r["rollout/server_busy_frac"] <= 1 for r in profiled)
+    # Prefill is part of the busy time (both read from the same counters over the same interval).
+    assert all(0 <= r["rollout/server_prefill_frac"] <= r["rollout/server_busy_frac"]
+               for r in profiled)
     assert all(r["rollout/tokens_per_s_per_server"] >= 0 for r in profiled)
     assert any(r["rollout/tokens_per_s_per_server"] > 0 for r in profiled)
     batches = [r["rollout/decode_batch_mean"] for r in profiled if "rollout/decode_batch_mean" in r]

@@ -36,8 +36,9 @@ def _serve(payloads: list[dict], answer_after: threading.Event | None = None
 
 
 def test_profile_reads_embedded_counters_and_stops_asking_other_servers():
-    embedded, _ = _serve([{"busy_s": 1.0, "tokens_generated": 100, "steps": 10},
-                          {"busy_s": 1.0 + 1e6, "tokens_generated": 400, "steps": 20}])
+    embedded, _ = _serve([{"busy_s": 1.0, "prefill_s": 0.5, "tokens_generated": 100, "steps": 10},
+                          {"busy_s": 1.0 + 1e6, "prefill_s": 0.5 + 1e6, "tokens_generated": 400,
+                           "steps": 20}])
     sglang, sglang_calls = _serve([{"version": "0.5.4", "#queue-req": 0}])  # no counters
     try:
         urls = [f"http://127.0.0.1:{s.server_port}" for s in (embedded, sglang)]
@@ -49,6 +50,7 @@ def test_profile_reads_embedded_counters_and_stops_asking_other_servers():
         out = profile.sample()
         assert out["rollout/decode_batch_mean"] == 30  # 300 tokens over 10 decode steps
         assert out["rollout/server_busy_frac"] == 1.0  # capped at 1
+        assert out["rollout/server_prefill_frac"] == 1.0
         assert out["rollout/tokens_per_s_per_server"] > 0
         assert sglang_calls[0] == 1 and profile.urls == urls[:1]  # asked once, then dropped
     finally:

@@ -214,7 +214,8 @@ def create_app(engine: GenerationEngine) -> FastAPI:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightFromDiskReqIn):
         result = await asyncio.to_thread(engine.update_weights, body.model_path,
-                                         body.weight_version, abort_first=body.abort_all_requests)
+                                         body.weight_version, abort_first=body.abort_all_requests,
+                                         flush_cache=body.flush_cache)
         return JSONResponse(result, status_code=200 if result["success"] else 400)
 
     # ---- weights over the network (SGLang's distributed weight update) ----------------------
@@ -252,7 +253,7 @@ def create_app(engine: GenerationEngine) -> FastAPI:
         result = await asyncio.to_thread(
             engine.update_weights_from_group, group, body.names, body.dtypes, body.shapes,
             body.weight_version, flattened=body.load_format == "flattened_bucket",
-            abort_first=body.abort_all_requests)
+            abort_first=body.abort_all_requests, flush_cache=body.flush_cache)
         return JSONResponse(result, status_code=200 if result["success"] else 400)
 
     @app.post("/destroy_weights_update_group")

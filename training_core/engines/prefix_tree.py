@@ -20,6 +20,9 @@ whose trie outgrows the row budget is split, each part with its own copy of the 
 budget is ``ROW_FACTOR`` times the longest sample, at most ``ROW_CAP`` nodes (never below the
 longest sample): the attention mask is dense ([rows, 1, W, W] booleans), so a wider row costs
 quadratically more in attention and mask memory, while a narrower one shares less.
+
+The embedded server's prefill uses the same forest (:func:`prefill_forest`): sequences joining
+its decode batch, each distinct prefix computed once, with no padding.
 """
 
 from __future__ import annotations
@@ -126,24 +129,15 @@ class PrefixForest:
     cols: torch.Tensor  # [T] its column
 
 
-def build_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 versions: torch.Tensor) -> PrefixForest:
-    """The prefix forest of a right-padded batch (see the module doc)."""
-    n = input_ids.shape[0]
-    lengths = attention_mask.sum(-1).tolist()
-    starts = generation_starts(attention_mask, versions).tolist()
-    seqs = [row[:length] for row, length in zip(input_ids.tolist(), lengths, strict=True)]
-    longest = max(lengths)
-    budget = max(longest, min(ROW_FACTOR * longest, ROW_CAP))
+_Unit = tuple[_Trie, dict[int, list[int]]]  # a trie and each of its sequences' node path
 
-    # Units: one prompt's samples in a trie of their own (a split group's parts each hold their
-    # own prompt copy), with each sample's node per column.
-    groups: dict[tuple[tuple[int, ...], int], list[int]] = {}
-    for i in range(n):
-        groups.setdefault((tuple(seqs[i][: starts[i]]), starts[i]), []).append(i)
-    units: list[tuple[_Trie, dict[int, list[int]]]] = []
-    for members in groups.values():
-        members.sort(key=lambda i: seqs[i])
+
+def _units(groups: list[list[int]], seqs: list[list[int]], budget: int) -> list[_Unit]:
+    """One trie per group of sequence indices, split where it would pass ``budget`` nodes (each
+    part then holds its own copy of the shared prefix)."""
+    units: list[_Unit] = []
+    for members in groups:
+        members = sorted(members, key=lambda i: seqs[i])
         trie, paths = _Trie(), {}
         for i in members:
             if paths and len(trie.tokens) + trie.new_nodes(seqs[i]) > budget:
@@ -151,11 +145,22 @@ def build_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 trie, paths = _Trie(), {}
             paths[i] = trie.add(seqs[i])
         units.append((trie, paths))
+    return units
 
-    # Rows: first fit, largest unit first. Each unit's nodes stay together in its row, so they
-    # stay in preorder per unit.
+
+@dataclass
+class _Layout:
+    tokens: torch.Tensor  # [R, W]
+    depths: torch.Tensor  # [R, W]
+    allowed: torch.Tensor  # [R, 1, W, W]
+    node_of: dict[int, tuple[int, list[int]]]  # sequence -> (flat offset of its unit, its path)
+
+
+def _layout(units: list[_Unit], budget: int) -> _Layout:
+    """Pack units into rows (first fit, largest first; a unit's nodes stay together, in
+    preorder) and build the ancestor mask."""
     width_cap = max(budget, max(len(trie.tokens) for trie, _ in units))
-    rows: list[list[tuple[_Trie, dict[int, list[int]]]]] = []
+    rows: list[list[_Unit]] = []
     fill: list[int] = []
     for unit in sorted(units, key=lambda u: -len(u[0].tokens)):
         size = len(unit[0].tokens)
@@ -171,7 +176,7 @@ def build_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     tokens = torch.zeros(len(rows), width, dtype=torch.long)
     depths = torch.zeros(len(rows), width, dtype=torch.long)
     ends = torch.arange(1, width + 1).repeat(len(rows), 1)  # padding: itself only
-    node_of: list[tuple[int, list[int]]] = [(0, [])] * n
+    node_of: dict[int, tuple[int, list[int]]] = {}
     for r, row_units in enumerate(rows):
         offset = 0
         for trie, paths in row_units:
@@ -186,13 +191,31 @@ def build_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     cols_w = torch.arange(width)
     allowed = (cols_w.view(1, 1, width) <= cols_w.view(1, width, 1)) & (
         cols_w.view(1, width, 1) < ends.view(len(rows), 1, width))
+    return _Layout(tokens, depths, allowed.unsqueeze(1), node_of)
+
+
+def build_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 versions: torch.Tensor) -> PrefixForest:
+    """The prefix forest of a right-padded batch (see the module doc)."""
+    n = input_ids.shape[0]
+    lengths = attention_mask.sum(-1).tolist()
+    starts = generation_starts(attention_mask, versions).tolist()
+    seqs = [row[:length] for row, length in zip(input_ids.tolist(), lengths, strict=True)]
+    longest = max(lengths)
+    budget = max(longest, min(ROW_FACTOR * longest, ROW_CAP))
+
+    # Units: one prompt's samples in a trie of their own.
+    groups: dict[tuple[tuple[int, ...], int], list[int]] = {}
+    for i in range(n):
+        groups.setdefault((tuple(seqs[i][: starts[i]]), starts[i]), []).append(i)
+    layout = _layout(_units(list(groups.values()), seqs, budget), budget)
 
     # Every generated token (columns from the sample's start on; column 0 has no parent and
     # stays 0, as in sequence_logprobs) is its node's; each node's logprob is computed once.
     index: dict[int, int] = {}
     parents, targets, pick, sample_rows, sample_cols = [], [], [], [], []
     for i in range(n):
-        base, nodes = node_of[i]
+        base, nodes = layout.node_of[i]
         for j in range(max(starts[i], 1), lengths[i]):
             flat = base + nodes[j]
             k = index.get(flat)
@@ -203,10 +226,41 @@ def build_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor,
             pick.append(k)
             sample_rows.append(i)
             sample_cols.append(j)
-    return PrefixForest(tokens, depths, allowed.unsqueeze(1), torch.tensor(parents, dtype=torch.long),
+    return PrefixForest(layout.tokens, layout.depths, layout.allowed,
+                        torch.tensor(parents, dtype=torch.long),
                         torch.tensor(targets, dtype=torch.long), torch.tensor(pick, dtype=torch.long),
                         torch.tensor(sample_rows, dtype=torch.long),
                         torch.tensor(sample_cols, dtype=torch.long))
+
+
+@dataclass
+class PrefillForest:
+    """A prefill of several sequences on a prefix forest, and where each one's columns are."""
+
+    input_ids: torch.Tensor  # [R, W] node tokens
+    position_ids: torch.Tensor  # [R, W] node depths
+    allowed: torch.Tensor  # [R, 1, W, W] bool
+    nodes: torch.Tensor  # [U, P] flat node (r * W + w) of each sequence's column, left-padded
+    mask: torch.Tensor  # [U, P] 1 on real columns
+    last: torch.Tensor  # [U] flat node of each sequence's last token (its logits sample next)
+
+
+def prefill_forest(seqs: list[list[int]], row_budget: int) -> PrefillForest:
+    """The forest of sequences joining a decode batch (the embedded engine's prefill): every
+    distinct prefix once, rows of at most ``row_budget`` nodes (or the longest sequence). A
+    sequence's keys and values are its nodes', gathered in column order."""
+    longest = max(len(q) for q in seqs)
+    budget = max(longest, row_budget)
+    layout = _layout(_units([list(range(len(seqs)))], seqs, budget), budget)
+    nodes = torch.zeros(len(seqs), longest, dtype=torch.long)
+    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
+    for i, q in enumerate(seqs):
+        base, path = layout.node_of[i]
+        flat = torch.tensor(path) + base
+        nodes[i, longest - len(q):] = flat
+        nodes[i, : longest - len(q)] = flat[0]  # padding copies a real node (finite values)
+        mask[i, longest - len(q):] = 1
+    return PrefillForest(layout.tokens, layout.depths, layout.allowed, nodes, mask, nodes[:, -1])
 
 
 def prefix_tree_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,

@@ -2,12 +2,20 @@
 
 - Least-in-flight routing; a server that fails a request is skipped for a cool-down.
 - Timeouts and retries on connection errors and 5xx (another server is tried).
-- Interruptible generation: a request that comes back with finish reason ``abort`` *because the
-  trainer paused the servers* (this client sent ``/pause_generation`` while it was in flight) is
-  re-submitted once generation continues, with its partial output appended to the prompt, so one
-  sequence can span several policy versions. Every output token keeps the version that produced
-  it and its behaviour logprob. Re-submission stops when the token budget is spent, and a sample
-  interrupted more than ``max_interruptions`` times fails its episode.
+- Interruptible generation (``pause_mode="abort"``, AReaL's): a request that comes back with
+  finish reason ``abort`` *because the trainer paused the servers* (this client sent
+  ``/pause_generation`` while it was in flight) is re-submitted once generation continues, with
+  its partial output appended to the prompt, so one sequence can span several policy versions and
+  its KV cache is recomputed with the new weights. Every output token keeps the version that
+  produced it and its behaviour logprob. Re-submission stops when the token budget is spent, and a
+  sample interrupted more than ``max_interruptions`` times fails its episode.
+- ``pause_mode="in_place"`` (SGLang's mode of that name): requests stay on the server through the
+  pause, weights load with ``flush_cache`` false, and they go on with the new weights over their
+  KV cache from the old ones: nothing is recomputed or sent again. Which of a response's tokens
+  came after the update is not reported, so a response that spanned one gets the version it
+  started with for all its tokens (the oldest: the staleness bound stays strict; staleness
+  metrics read a little high). The behaviour logprobs are what was sampled from, so the decoupled
+  objective's importance weights stay exact.
 - Errors of one request are errors of that episode, never retried: SGLang answers ``abort`` with
   no tokens for a request it cannot serve (input too long, ...) and HTTP 4xx for a malformed one.
   Both raise :class:`EpisodeError`; the executor counts the episode and the run goes on.
@@ -88,10 +96,13 @@ class _Partial:
 class RolloutClient:
     def __init__(self, urls: list[str], *, timeout_s: float = 300.0, retries: int = 3,
                  cooldown_s: float = 2.0, retry_window_s: float = 120.0,
-                 max_interruptions: int = 16,
+                 max_interruptions: int = 16, pause_mode: str = "abort",
                  transport: httpx.AsyncBaseTransport | None = None):
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
+        if pause_mode not in ("abort", "in_place"):
+            raise ValueError(f"pause_mode: {pause_mode!r} is not 'abort' or 'in_place'")
+        self.pause_mode = pause_mode
         self.servers = [_Server(u.rstrip("/")) for u in urls]
         self.timeout_s = timeout_s
         self.retries = retries
@@ -287,6 +298,8 @@ class RolloutClient:
                     f"server aborted the request with {len(ids)} tokens and no pause in progress: "
                     f"{finish.get('message') or 'no message'}")
             version = _parse_version(meta.get("weight_version"), version_at_submit)
+            if paused_meanwhile:  # an in-place pause: tokens from both sides of an update
+                version = min(version, version_at_submit)
             st.ids += ids
             st.logprobs += lps
             st.versions += [version] * len(ids)
@@ -319,7 +332,7 @@ class RolloutClient:
         # Marked before the call: requests aborted by it must find the pause already recorded.
         self._paused = True
         self._pauses += 1
-        await self._all("/pause_generation", {"mode": "abort"})
+        await self._all("/pause_generation", {"mode": self.pause_mode})
 
     async def resume(self) -> None:
         await self._all("/continue_generation")
@@ -328,9 +341,17 @@ class RolloutClient:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(resumed.set)
 
+    @property
+    def flush_cache(self) -> bool:
+        """Whether a weight update flushes the servers' KV cache: not under requests paused in
+        place (they rely on it, and SGLang's flush would fail)."""
+        return self.pause_mode != "in_place"
+
     async def update_weights_from_disk(self, path: str, version: int) -> None:
-        results = await self._all("/update_weights_from_disk",
-                                  {"model_path": path, "weight_version": str(version)})
+        payload: dict[str, Any] = {"model_path": path, "weight_version": str(version)}
+        if not self.flush_cache:  # sent only when off: older SGLang releases lack the field
+            payload["flush_cache"] = False
+        results = await self._all("/update_weights_from_disk", payload)
         _check_all("update_weights_from_disk", self.servers, results)
         self._updated(version)
 

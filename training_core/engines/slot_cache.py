@@ -18,16 +18,24 @@ as ``ATTENTION``). Decoding (one query per row) is two batched matmuls over the 
 SDPA kernel handled those shapes one (row, head) at a time, ~40% of a decode step at batch 128.
 More than one query (a prefill) goes to SDPA. Masks are prepared 4D booleans (``True``: attend),
 which transformers passes through as they are.
+
+Prefill: :func:`forest_prefill` runs the joining sequences as a prefix forest
+(``prefix_tree.prefill_forest``) and gathers each sequence's keys and values from its nodes.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
+
+from training_core.engines.prefix_tree import prefill_forest
 
 ATTENTION = "oolong_slots"
 LEFT_HEADROOM = 32  # columns kept free left of a new window, for longer joiners
+# Nodes per row of a prefill forest: attention over a row costs its width squared, the linear
+# layers its node count, so rows of a few hundred nodes keep attention a small share.
+PREFILL_ROW_NODES = 256
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -171,12 +179,24 @@ class SlotCache:
         self.lo, self.hi = new_lo, new_lo + span
 
 
-def prefill_mask(mask: torch.Tensor) -> torch.Tensor:
-    """The 4D mask of a left-padded prefill ([U, P] -> [U, 1, P, P]): causal over real tokens.
-    A padding position attends to itself only, so its keys and values stay finite (a row of
-    nothing would be NaN, and NaN times a zero attention weight is still NaN)."""
-    width = mask.shape[1]
-    cols = torch.arange(width, device=mask.device)
-    causal = cols.view(1, width) <= cols.view(width, 1)
-    allowed = causal & mask.bool().view(-1, 1, width)
-    return (allowed | torch.eye(width, dtype=torch.bool, device=mask.device)).unsqueeze(1)
+def forest_prefill(model: torch.nn.Module, seqs: list[list[int]], device: torch.device
+                   ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
+    """Prefill ``seqs`` on a prefix forest (``prefix_tree.prefill_forest``): every distinct
+    prefix once, no padding computed. Returns each layer's keys and values per sequence,
+    left-padded ([U, Hkv, P, D], what :meth:`SlotCache.join` takes), the mask [U, P] and the
+    logits after each sequence's last token [U, V]."""
+    forest = prefill_forest(seqs, PREFILL_ROW_NODES)
+    cache = DynamicCache()
+    out = model(input_ids=forest.input_ids.to(device), attention_mask=forest.allowed.to(device),
+                position_ids=forest.position_ids.to(device), past_key_values=cache, use_cache=True)
+    nodes = forest.nodes.to(device)
+    units, width = nodes.shape
+
+    def columns(t: torch.Tensor) -> torch.Tensor:  # [R, Hkv, W, D] -> [U, Hkv, P, D]
+        flat = t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+        return flat.index_select(0, nodes.view(-1)).view(units, width, *flat.shape[1:]).transpose(1, 2)
+
+    layers_kv = [(columns(layer.keys), columns(layer.values)) for layer in cache.layers]
+    logits = out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, forest.last.to(device))
+    return layers_kv, forest.mask.to(device), logits
+

@@ -18,7 +18,8 @@ RUN_CHART_GROUPS: list[tuple[str, str, list[Chart]]] = [
     ]),
     ("rollout", "Rollout", [
         ("Throughput (tokens/s)", ["tokens_per_s", "rollout/tokens_per_s_per_server"]),
-        ("Rollout servers", ["rollout/server_busy_frac", "rollout/decode_batch_mean"]),
+        ("Rollout servers", ["rollout/server_busy_frac", "rollout/server_prefill_frac",
+                             "rollout/decode_batch_mean"]),
         ("Interrupted, dropped and failed", ["rollout/interruptions",
                                              "rollout/dropped_stale_samples",
                                              "rollout/episode_errors"]),
