@@ -95,6 +95,7 @@ class TrajectoryGroup:
     samples: list[Trajectory]
     prompt_index: int = -1
     accepted_at: float = 0.0
+    started_version: int = -1  # the policy version when its episode started (the executor's)
 
     @property
     def rewards(self) -> list[float]:

@@ -12,6 +12,14 @@ Consume-time filters:
   but keeps its length and reward (its group's baseline and DAPO's overlong penalty do not
   change) and its tokens still count in the staleness metrics.
 
+Which groups a batch takes: finished groups, the earliest started first, and before taking it
+waits for every episode still running that this batch is the last one able to take (started at
+``v - max_token_staleness``; one batch later its samples would be dropped). Taken in finish
+order, a long answer kept losing its place to shorter ones started after it until it was too
+old: on the long-tail benchmark, once generation was the bottleneck, about a third of the
+samples were dropped, the long ones most (a bias towards short answers). Waiting costs the
+trainer time only when a straggler is that late, and generation keeps going meanwhile.
+
 Failures:
 - An :class:`~training_core.engines.rollout_client.EpisodeError` (the server rejected or aborted
   that one request) is logged and counted; the episode's slot goes to another prompt and the run
@@ -79,6 +87,7 @@ class RolloutExecutor:
         self._rejected_since_batch = 0
         self._failures_since_batch: list[EpisodeFailure] = []
         self._outstanding: set[int] = set()  # handed out, neither consumed nor rejected
+        self._running: dict[int, int] = {}  # episodes in flight: prompt index -> started version
         self._loop = asyncio.new_event_loop()
         self._wake: asyncio.Event | None = None
         self._stopping = False
@@ -124,8 +133,9 @@ class RolloutExecutor:
                 with self._cond:
                     index, item = self.loader.next()
                     self._outstanding.add(index)
+                    self._running[index] = started = self.client.version
                 self.staleness.on_submitted()
-                task = asyncio.create_task(self._episode(index, item))
+                task = asyncio.create_task(self._episode(index, item, started))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             self._wake.clear()
@@ -137,7 +147,7 @@ class RolloutExecutor:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _episode(self, index: int, item: dict[str, Any]) -> None:
+    async def _episode(self, index: int, item: dict[str, Any], started: int) -> None:
         try:
             group = await self.workflow.arun_episode(self.client, item)
         except asyncio.CancelledError:
@@ -146,6 +156,7 @@ class RolloutExecutor:
             log.warning("episode for prompt %d failed: %s", index, exc)
             self.staleness.on_rejected()
             with self._cond:
+                self._running.pop(index, None)
                 self._outstanding.discard(index)
                 self._failures_since_batch.append(EpisodeFailure(index, str(exc)))
                 self._cond.notify_all()
@@ -154,6 +165,7 @@ class RolloutExecutor:
             log.exception("episode failed")
             self.staleness.on_rejected()
             with self._cond:
+                self._running.pop(index, None)
                 self._errors.append(exc)
                 self._cond.notify_all()
             return
@@ -163,14 +175,17 @@ class RolloutExecutor:
         if group is None or (self.dynamic_filter and is_degenerate_group(group.rewards)):
             self.staleness.on_rejected()
             with self._cond:
+                self._running.pop(index, None)
                 self._outstanding.discard(index)
                 self._rejected_since_batch += 1
                 self._cond.notify_all()
             return
         group.prompt_index = index
         group.accepted_at = time.perf_counter()
+        group.started_version = started
         self.staleness.on_accepted()
-        with self._cond:
+        with self._cond:  # in one step: a due episode is either running or ready
+            self._running.pop(index, None)
             self._done.append(group)
             self._cond.notify_all()
 
@@ -182,10 +197,11 @@ class RolloutExecutor:
             return len(self._outstanding) - len(self._done)
 
     def prepare_batch(self, batch_groups: int, version: int, timeout_s: float | None = None) -> Batch:
-        """Block until ``batch_groups`` groups are ready; take the oldest."""
+        """Block until ``batch_groups`` groups are ready and no running episode is due (see the
+        module doc); take the earliest started."""
         start = time.perf_counter()
         with self._cond:
-            while len(self._done) < batch_groups:
+            while len(self._done) < batch_groups or self._due(version):
                 if self._errors:
                     exc = self._errors[0]
                     raise RuntimeError(f"an episode failed: {type(exc).__name__}: {exc}") from exc
@@ -194,7 +210,11 @@ class RolloutExecutor:
                     raise BatchTimeout(f"no batch for {timeout_s:.0f} s: {self._stall_reason()}")
                 remaining = 1.0 if timeout_s is None else min(1.0, timeout_s - waited)
                 self._cond.wait(timeout=remaining)
-            groups = [self._done.popleft() for _ in range(batch_groups)]
+            # Earliest started first; among equals, finish order (a stable sort).
+            ready = sorted(self._done, key=lambda g: g.started_version)
+            groups = ready[:batch_groups]
+            taken = {id(g) for g in groups}
+            self._done = deque(g for g in self._done if id(g) not in taken)
             for g in groups:
                 self._outstanding.discard(g.prompt_index)
             depth = len(self._done)
@@ -209,6 +229,14 @@ class RolloutExecutor:
                         s.dropped = True
                         dropped += 1
         return Batch(groups, dropped, time.perf_counter() - start, depth, rejected, failures)
+
+    def _due(self, version: int) -> bool:
+        """Whether a running episode can only be trained on in this batch (a later one would
+        drop it as too stale). Under the lock."""
+        if self.max_token_staleness is None:
+            return False
+        last_chance = version - self.max_token_staleness
+        return any(started == last_chance for started in self._running.values())
 
     def _stall_reason(self) -> str:
         done, rejected, failures = len(self._done), self._rejected_since_batch, self._failures_since_batch

@@ -56,7 +56,7 @@ def test_async_steps_versions_staleness_and_weights_reach_the_server(tiny_model_
         spec = load_spec(None, SMALL + [
             f"run_dir={tmp_path / 'run'}", f"rollout.server_urls=[{url}]", "trainer.steps=4",
             "rollout.max_staleness=1", "rollout.max_token_staleness=1", "checkpoint.every=2",
-            "eval.every=2"])
+            "eval.every=2", "rollout.pause_mode=abort"])  # the distributed test runs in_place
         result = train(spec, progress=False, sink=MultiSink([JsonlSink(tmp_path / "run"), watch]))
         info = httpx.get(url + "/model_info").json()
     finally:
@@ -104,7 +104,8 @@ def test_async_steps_versions_staleness_and_weights_reach_the_server(tiny_model_
 def test_distributed_weight_sync_runs_and_resumes_without_a_weights_folder(tiny_model_dir, tmp_path):
     """weight_sync: distributed end to end on two servers: every version reaches both over the
     process group (the servers never load from a path), and a resumed run rebuilds the group
-    and pushes the checkpoint's weights before generating."""
+    and pushes the checkpoint's weights before generating. Embedded servers: pause_mode auto is
+    in_place, so updates load under paused requests (flush_cache false)."""
     from training_core.train import train
 
     fleets = [start_server(tiny_model_dir, tmp_path / f"server{i}.log", seed=i) for i in range(2)]
