@@ -132,28 +132,33 @@ def test_weight_update_changes_outputs_and_version(tiny_model_dir, tmp_path):
         fleet.stop()
 
 
+def _three_samples_across_an_update(url: str, weights, **client_kw) -> list:
+    """Three 300-token samples of one prompt; a weight update (pause, load, resume) while they
+    are generating."""
+    async def scenario():
+        client = RolloutClient([url], **client_kw)
+        task = asyncio.create_task(client.agenerate_group(GenerationRequest(
+            [40, 41], SamplingParams(max_new_tokens=300, ignore_eos=True)), 3))
+        await asyncio.to_thread(_wait_generating, url, 10)
+        await client.pause()
+        await client.update_weights_from_disk(str(weights), 1)
+        await client.resume()
+        resp = await task
+        await client.aclose()
+        return resp
+
+    return asyncio.run(scenario())
+
+
 def test_client_resubmits_interrupted_requests_across_versions(tiny_model_dir, tmp_path):
     """A long generation spans a weight update: the client re-submits with the partial output,
     the result has the full length, and each token carries the version that produced it."""
     from tests.training_core.conftest import start_server
 
     fleet, url = start_server(tiny_model_dir, tmp_path / "s.log")
-    path = _perturbed_weights(tiny_model_dir, tmp_path / "v1")
-
-    async def scenario():
-        client = RolloutClient([url])
-        task = asyncio.create_task(client.agenerate_group(GenerationRequest(
-            [40, 41], SamplingParams(max_new_tokens=300, ignore_eos=True)), 3))
-        await asyncio.to_thread(_wait_generating, url, 10)
-        await client.pause()
-        await client.update_weights_from_disk(str(path), 1)
-        await client.resume()
-        resp = await task
-        await client.aclose()
-        return resp
-
     try:
-        responses = asyncio.run(scenario())
+        responses = _three_samples_across_an_update(
+            url, _perturbed_weights(tiny_model_dir, tmp_path / "v1"))
     finally:
         fleet.stop()
     assert len(responses) == 3
@@ -172,22 +177,9 @@ def test_in_place_pause_carries_requests_across_a_weight_update(tiny_model_dir, 
     from tests.training_core.conftest import start_server
 
     fleet, url = start_server(tiny_model_dir, tmp_path / "s.log")
-    path = _perturbed_weights(tiny_model_dir, tmp_path / "v1")
-
-    async def scenario():
-        client = RolloutClient([url], pause_mode="in_place")
-        task = asyncio.create_task(client.agenerate_group(GenerationRequest(
-            [40, 41], SamplingParams(max_new_tokens=300, ignore_eos=True)), 3))
-        await asyncio.to_thread(_wait_generating, url, 10)
-        await client.pause()
-        await client.update_weights_from_disk(str(path), 1)
-        await client.resume()
-        resp = await task
-        await client.aclose()
-        return resp
-
     try:
-        responses = asyncio.run(scenario())
+        responses = _three_samples_across_an_update(
+            url, _perturbed_weights(tiny_model_dir, tmp_path / "v1"), pause_mode="in_place")
         after = generate(url, [40, 41], max_new_tokens=2)
     finally:
         fleet.stop()

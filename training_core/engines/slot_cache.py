@@ -78,9 +78,10 @@ class SlotCache:
     # ---- transformers' side --------------------------------------------------------------------
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               *_: object, **__: object) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the step's keys/values at column ``hi`` (``advance`` moves it afterwards) and
-        return the window up to them."""
+        return the window up to them. What else the model passes is ignored: its name changed
+        between transformers releases (``cache_kwargs`` up to 5.23, ``kwargs`` in 5.24)."""
         n, q = key_states.shape[0], key_states.shape[2]
         self.keys[layer_idx, :n, :, self.hi: self.hi + q] = key_states
         self.values[layer_idx, :n, :, self.hi: self.hi + q] = value_states
