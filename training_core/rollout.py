@@ -133,9 +133,9 @@ class RolloutExecutor:
                 with self._cond:
                     index, item = self.loader.next()
                     self._outstanding.add(index)
-                    self._running[index] = started = self.client.version
+                    self._running[index] = self.client.version
                 self.staleness.on_submitted()
-                task = asyncio.create_task(self._episode(index, item, started))
+                task = asyncio.create_task(self._episode(index, item))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             self._wake.clear()
@@ -147,7 +147,7 @@ class RolloutExecutor:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _episode(self, index: int, item: dict[str, Any], started: int) -> None:
+    async def _episode(self, index: int, item: dict[str, Any]) -> None:
         try:
             group = await self.workflow.arun_episode(self.client, item)
         except asyncio.CancelledError:
@@ -181,11 +181,10 @@ class RolloutExecutor:
                 self._cond.notify_all()
             return
         group.prompt_index = index
-        group.accepted_at = time.perf_counter()
-        group.started_version = started
         self.staleness.on_accepted()
         with self._cond:  # in one step: a due episode is either running or ready
-            self._running.pop(index, None)
+            group.started_version = self._running.pop(index)
+            group.accepted_at = time.perf_counter()  # when it became ready to take
             self._done.append(group)
             self._cond.notify_all()
 
@@ -194,7 +193,7 @@ class RolloutExecutor:
     def in_flight(self) -> int:
         """Episodes started and not finished: 0 means the servers have nothing to generate."""
         with self._cond:
-            return len(self._outstanding) - len(self._done)
+            return len(self._running)
 
     def prepare_batch(self, batch_groups: int, version: int, timeout_s: float | None = None) -> Batch:
         """Block until ``batch_groups`` groups are ready and no running episode is due (see the

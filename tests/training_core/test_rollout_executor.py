@@ -60,17 +60,33 @@ def _executor(rows, workflow, *, B=2, eta=1, M=4, **kw):
     return engine, ex
 
 
-def test_batches_come_oldest_first_and_respect_concurrency():
+def _consume(engine, ex, versions: int, B: int) -> list:
+    """The trainer's side: a batch per version, then the next version. [(version, batch, when
+    it was asked for)]."""
+    batches = []
+    for v in range(versions):
+        asked = time.perf_counter()
+        batches.append((v, ex.prepare_batch(B, v, timeout_s=10), asked))
+        engine.set_version(v + 1)
+        ex.kick()
+    return batches
+
+
+def test_batches_take_the_earliest_started_ready_groups_and_respect_concurrency():
     rows = [{"i": i} for i in range(50)]
     engine, ex = _executor(rows, ScriptedWorkflow(lambda item: 0.01 * (item["i"] % 3)), M=3)
     try:
-        seen = []
-        for v in range(5):
-            batch = ex.prepare_batch(2, v, timeout_s=10)
-            seen += [g.accepted_at for g in batch.groups]
-            engine.set_version(v + 1)
-            ex.kick()
-        assert seen == sorted(seen)
+        batches = _consume(engine, ex, 5, B=2)
+        for _, batch, _ in batches:  # earliest started first; among equals, first finished
+            order = [(g.started_version, g.accepted_at) for g in batch.groups]
+            assert order == sorted(order)
+        # A group taken later but started earlier was not ready yet when the earlier batch was
+        # asked for (it was accepted after that).
+        for i, (_, earlier, asked) in enumerate(batches):
+            for _, later, _ in batches[i + 1:]:
+                for g in later.groups:
+                    if any(g.started_version < h.started_version for h in earlier.groups):
+                        assert g.accepted_at > asked
         assert engine.max_in_flight <= 3
     finally:
         ex.stop()
@@ -130,15 +146,12 @@ def test_a_straggler_at_its_last_chance_is_waited_for_not_dropped():
                            B=1, eta=1, M=4, max_token_staleness=1)
     try:
         taken = []
-        for v in range(12):
-            batch = ex.prepare_batch(1, v, timeout_s=10)
+        for v, batch, _ in _consume(engine, ex, 12, B=1):
             assert batch.dropped_stale_samples == 0
             for g in batch.groups:
                 taken.append((v, g.prompt_index))
                 for s in g.samples:
                     assert v - s.versions[-1] <= 1
-            engine.set_version(v + 1)
-            ex.kick()
         assert (1, 0) in taken, taken  # the straggler: the first prompt handed out
     finally:
         ex.stop()
@@ -159,14 +172,11 @@ def test_groups_due_beyond_one_batch_are_dropped_at_consume_time():
                            B=1, eta=2, M=8, max_token_staleness=2)
     try:
         dropped = 0
-        for v in range(6):
-            batch = ex.prepare_batch(1, v, timeout_s=10)
+        for v, batch, _ in _consume(engine, ex, 6, B=1):
             dropped += batch.dropped_stale_samples
             for g in batch.groups:
                 for s in g.samples:
                     assert s.dropped or v - s.oldest_version <= 2
-            engine.set_version(v + 1)
-            ex.kick()
         assert dropped == 2  # one group of two samples
     finally:
         ex.stop()
@@ -204,13 +214,10 @@ def _straggler_run(max_token_staleness, versions=14, seed=3):
 
     engine, ex = _executor(rows, ScriptedWorkflow(delay), B=2, eta=1, M=8,
                            max_token_staleness=max_token_staleness)
-    seen = []
     try:
-        for v in range(versions):
-            batch = ex.prepare_batch(2, v, timeout_s=10)
-            seen += [(v, s.oldest_version, s.dropped) for g in batch.groups for s in g.samples]
-            engine.set_version(v + 1)
-            ex.kick()
+        seen = [(v, s.oldest_version, s.dropped)
+                for v, batch, _ in _consume(engine, ex, versions, B=2)
+                for g in batch.groups for s in g.samples]
     finally:
         ex.stop()
     return seen

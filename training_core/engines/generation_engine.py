@@ -91,7 +91,6 @@ class GenerationEngine:
         # Masks are prepared here (4D booleans) and attention runs through slot_cache's.
         self.model.config._attn_implementation = ATTENTION
         self.eos_ids = self._eos_ids()
-        self.pad_id = self.tokenizer.pad_token_id or 0
         self.max_batch_size = max_batch_size
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.weight_version = weight_version
