@@ -55,6 +55,10 @@ def _reference(reference_model, rows: list[list[int]]) -> torch.Tensor:
 
 def test_decoding_through_joins_moves_and_growth_matches_full_forwards(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(slot_cache, "LEFT_HEADROOM", 2)  # longer joiners must move the window
+    # The buffers are uninitialised: filled with nan here, any column read before it was
+    # written would turn the logits to nan.
+    monkeypatch.setattr(slot_cache, "_uninitialized",
+                        lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype))
     model = load_model(tiny_model_dir).eval()
     model.config._attn_implementation = ATTENTION
     reference = load_model(tiny_model_dir).eval()
