@@ -144,3 +144,50 @@ def test_requests_paused_in_place_go_on_with_new_weights_over_their_old_kv(engin
     torch.testing.assert_close(got[:before], ref_old[:before], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[before:], torch.stack(ref_new), atol=1e-4, rtol=1e-4)
     assert not torch.allclose(got[before:], ref_old[before:], atol=1e-2), "new weights were used"
+
+
+def _sampling_row(temperature: float, top_k: int = -1, top_p: float = 1.0) -> Seq:
+    return Seq("s", [1], 1, temperature, top_p, top_k, set(), False, None, None)
+
+
+@pytest.mark.parametrize("rows", [
+    [_sampling_row(1.0), _sampling_row(0.7, top_k=3), _sampling_row(1.3, top_p=0.6),
+     _sampling_row(0.0)],
+    [_sampling_row(1.0), _sampling_row(0.5), _sampling_row(1.7), _sampling_row(0.0)],
+], ids=["truncated", "untruncated"])
+def test_sampled_tokens_follow_the_truncated_tempered_distribution_and_report_its_logprobs(rows):
+    """Each row draws from softmax(logits / T), restricted to its top-k and top-p set and
+    renormalised; greedy rows take the argmax; the logprob reported is that of the tempered
+    distribution before truncation (what the trainer recomputes)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 12, generator=g) * 2
+    draws = 6000
+    counts = torch.zeros(4, 12)
+    for _ in range(draws // 100):
+        batch = logits.repeat_interleave(100, 0)
+        tokens, logprobs = generation_engine._sample(batch, [r for r in rows for _ in range(100)], g)
+        tokens, logprobs = tokens.view(4, 100), logprobs.view(4, 100)
+        for i in range(4):
+            counts[i] += torch.bincount(tokens[i], minlength=12)
+            scale = rows[i].temperature if rows[i].temperature > 0 else 1.0
+            expected = torch.log_softmax(logits[i] / scale, -1)[tokens[i]]
+            torch.testing.assert_close(logprobs[i], expected)
+
+    def truncated(i: int) -> torch.Tensor:
+        p = torch.softmax(logits[i] / rows[i].temperature, -1)
+        order = p.argsort(descending=True)
+        keep = torch.zeros(12, dtype=torch.bool)
+        if rows[i].top_k > 0:
+            keep[order[: rows[i].top_k]] = True
+        else:  # top-p (1: everything): the smallest head of the sorted distribution reaching p
+            before = p[order].cumsum(0) - p[order]
+            keep[order[before <= rows[i].top_p]] = True
+        return torch.where(keep, p, torch.zeros(())) / p[keep].sum()
+
+    for i in range(3):
+        expected = truncated(i)
+        frequencies = counts[i] / draws
+        assert not (frequencies[expected == 0] > 0).any(), f"row {i} drew an excluded token"
+        torch.testing.assert_close(frequencies, expected, atol=0.025, rtol=0,
+                                   msg=lambda m, i=i: f"row {i}: {m}")
+    assert counts[3, logits[3].argmax()] == draws
