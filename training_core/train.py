@@ -255,10 +255,10 @@ class RolloutProfile:
     servers were, their mean decode batch and their tokens/s since the last step. Next to the
     trainer's ``time/*`` it shows which side is the bottleneck.
 
-    Measured on a thread of its own: a server busy decoding answers slowly (its event loop
-    shares the GIL with the decode loop: ~50 ms here), and that wait was a fifth of an
-    asynchronous step. A step reports the newest finished measurement, so the numbers come one
-    step late (the first step has none)."""
+    Measured on a thread of its own: a server busy decoding answered slowly (~50 ms, when its
+    event loop shared the GIL with the decode loop), and that wait was a fifth of an
+    asynchronous step; SGLang, or a server far away, can be slow too. A step reports the newest
+    finished measurement, so the numbers come one step late (the first step has none)."""
 
     def __init__(self, urls: list[str]):
         self.urls = list(urls)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -283,3 +287,51 @@ def test_unpaused_weight_update_waits_for_requests_in_flight(tiny_model_dir, tmp
         assert after["meta_info"]["weight_version"] == "1"
     finally:
         fleet.stop()
+
+
+# ---- the engine's own process ------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_the_engine_process_goes_when_its_front_end_is_killed(tiny_model_dir, tmp_path):
+    """Generation runs in a child of the HTTP front end; a SIGKILL of the front end alone (no
+    handler runs, nothing is closed politely) still leaves no engine process behind."""
+    from tests.training_core.conftest import start_server
+
+    fleet, url = start_server(tiny_model_dir, tmp_path / "server.log")
+    try:
+        front = fleet.servers[0].pid
+        engines = _children(front)
+        assert len(engines) == 1, f"expected the engine as the front end's only child: {engines}"
+        assert len(generate(url, [7, 8], max_new_tokens=3, ignore_eos=True)["output_ids"]) == 3
+        os.kill(front, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while Path(f"/proc/{engines[0]}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        state = Path(f"/proc/{engines[0]}/stat")  # an exited child not yet reaped is a zombie
+        alive = state.exists() and state.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        assert not alive, "the engine process outlived its front end"
+    finally:
+        fleet.stop()
+
+
+def test_a_server_whose_engine_cannot_start_exits_and_says_why(tmp_path):
+    from training_core.launch import embedded_server_command
+
+    log = tmp_path / "server.log"
+    with log.open("w") as out:
+        proc = subprocess.run(embedded_server_command(str(tmp_path / "no-model"), 1), stdout=out,
+                              stderr=subprocess.STDOUT, timeout=120)
+    assert proc.returncode != 0
+    assert "the engine failed to start" in log.read_text()

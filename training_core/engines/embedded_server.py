@@ -13,7 +13,6 @@ accepted only at their defaults.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import logging
 import os
@@ -28,12 +27,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from training_core.engines.generation_engine import GenerationEngine, Seq
-from training_core.engines.weight_group import (
-    DEFAULT_GROUP_NAME,
-    destroy_weight_update_group,
-    init_weight_update_group,
-)
+from training_core.engines.engine_process import EngineProcess
+from training_core.engines.weight_group import DEFAULT_GROUP_NAME
 
 # -------------------------------------------------------------------------------------------
 # Request models
@@ -143,7 +138,8 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
-def create_app(engine: GenerationEngine) -> FastAPI:
+def create_app(engine: EngineProcess, tokenizer: Any) -> FastAPI:
+    """The HTTP front end; ``engine`` runs in a process of its own (engine_process.py)."""
     app = FastAPI(title="oolong embedded rollout server (SGLang native API)")
     counter = itertools.count()
 
@@ -153,26 +149,10 @@ def create_app(engine: GenerationEngine) -> FastAPI:
         field_name = ".".join(str(p) for p in first["loc"] if p != "body")
         return _error(422, f"{field_name}: {first['msg']}")
 
-    async def _one(rid: str | None, input_ids: list[int], sp: SamplingParamsIn) -> dict:
-        loop = asyncio.get_running_loop()
-        seq = Seq(
-            rid=rid or f"{uuid.uuid4().hex[:8]}-{next(counter)}",
-            prompt=list(input_ids),
-            max_new_tokens=min(sp.max_new_tokens, engine.context_len - len(input_ids)),
-            temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-            stop_ids=set(sp.stop_token_ids or []), ignore_eos=sp.ignore_eos,
-            future=loop.create_future(), loop=loop, version=engine.weight_version,
-        )
-        if len(input_ids) >= engine.context_len:
-            # SGLang's scheduler aborts such a request at once, with no tokens and a message.
-            return engine.response(seq, {
-                "type": "abort", "status_code": 400, "message":
-                    f"Input length ({len(input_ids)} tokens) exceeds the maximum allowed length "
-                    f"({engine.context_len - 1} tokens). Use a shorter input."})
-        if seq.max_new_tokens <= 0:
-            return engine.response(seq, {"type": "length", "length": 0})
-        engine.submit(seq)
-        return await seq.future
+    def _sampling(sp: SamplingParamsIn) -> dict[str, Any]:
+        return {"max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature,
+                "top_p": sp.top_p, "top_k": sp.top_k, "stop_token_ids": sp.stop_token_ids,
+                "ignore_eos": sp.ignore_eos}
 
     @app.post("/generate")
     async def generate(body: GenerateReqIn):
@@ -180,8 +160,8 @@ def create_app(engine: GenerationEngine) -> FastAPI:
             return _error(400, "stream: streaming is not supported by the embedded server")
         ids = body.input_ids
         if ids is None and body.text is not None:
-            ids = ([engine.tokenizer.encode(t) for t in body.text] if isinstance(body.text, list)
-                   else engine.tokenizer.encode(body.text))
+            ids = ([tokenizer.encode(t) for t in body.text] if isinstance(body.text, list)
+                   else tokenizer.encode(body.text))
         if not ids:
             return _error(400, "input_ids (or text) is required and must not be empty")
         batch = isinstance(ids[0], list)
@@ -195,85 +175,69 @@ def create_app(engine: GenerationEngine) -> FastAPI:
                 return _error(400, problem)
         rids = body.rid if isinstance(body.rid, list) else [
             f"{body.rid}-{i}" if body.rid and batch else body.rid for i in range(len(rows))]
-        out = await asyncio.gather(*[_one(r, x, p) for r, x, p in zip(rids, rows, params, strict=True)])
+        rids = [r or f"{uuid.uuid4().hex[:8]}-{next(counter)}" for r in rids]
+        out = await engine.generate([(r, x, _sampling(p))
+                                     for r, x, p in zip(rids, rows, params, strict=True)])
         # Already plain JSON types: a JSONResponse skips FastAPI's jsonable_encoder, which walked
-        # every [logprob, token, None] triple in Python on the thread that shares the GIL with
-        # decoding (42% of the server's request handling in a py-spy profile).
+        # every [logprob, token, None] triple in Python (42% of the front end's request handling
+        # in a py-spy profile).
         return JSONResponse(out if batch else out[0])
+
+    async def _result(name: str, **kwargs: Any) -> JSONResponse:
+        result = await engine.call(name, **kwargs)
+        return JSONResponse(result, status_code=200 if result["success"] else 400)
 
     @app.post("/pause_generation")
     async def pause_generation(body: PauseGenerationReqIn | None = None):
-        await asyncio.to_thread(engine.pause, (body or PauseGenerationReqIn()).mode)
+        await engine.call("pause", mode=(body or PauseGenerationReqIn()).mode)
         return {"success": True}
 
     @app.post("/continue_generation")
     async def continue_generation():
-        engine.resume()
+        await engine.call("resume")
         return {"success": True}
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightFromDiskReqIn):
-        result = await asyncio.to_thread(engine.update_weights, body.model_path,
-                                         body.weight_version, abort_first=body.abort_all_requests,
-                                         flush_cache=body.flush_cache)
-        return JSONResponse(result, status_code=200 if result["success"] else 400)
+        return await _result("update_weights_from_disk", path=body.model_path,
+                             version=body.weight_version, abort_first=body.abort_all_requests,
+                             flush_cache=body.flush_cache)
 
     # ---- weights over the network (SGLang's distributed weight update) ----------------------
-    groups: dict[str, Any] = {}
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(body: InitWeightsUpdateGroupReqIn):
-        if body.group_name in groups:
-            return JSONResponse({"success": False, "message": f"group {body.group_name!r} exists; "
-                                 "destroy it first"}, status_code=400)
-        # SGLang's backend default is nccl: a CPU engine can only speak gloo.
-        backend = body.backend if engine.device.type == "cuda" else "gloo"
-        try:  # blocks until every rank has joined, so off the event loop
-            groups[body.group_name] = await asyncio.to_thread(
-                init_weight_update_group, master_address=body.master_address,
-                master_port=body.master_port, rank=body.rank_offset, world_size=body.world_size,
-                group_name=body.group_name, backend=backend)
-        except Exception as exc:
-            return JSONResponse({"success": False, "message": f"failed to join weight update "
-                                 f"group: {type(exc).__name__}: {exc}"}, status_code=400)
-        return {"success": True, "message": "Succeeded to initialize custom process group."}
+        return await _result("init_weights_update_group", master_address=body.master_address,
+                             master_port=body.master_port, rank=body.rank_offset,
+                             world_size=body.world_size, group_name=body.group_name,
+                             backend=body.backend)
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(body: UpdateWeightsFromDistributedReqIn):
-        group = groups.get(body.group_name)
-        if group is None:
-            return JSONResponse({"success": False, "message": f"no weight update group "
-                                 f"{body.group_name!r}: call /init_weights_update_group first"},
-                                status_code=400)
         if not len(body.names) == len(body.dtypes) == len(body.shapes):
             return _error(400, "names, dtypes and shapes must have the same length")
         if body.load_format not in (None, "flattened_bucket"):
             return _error(400, f"load_format: {body.load_format!r} is not supported here "
                                "(null: one broadcast per tensor, or 'flattened_bucket')")
-        result = await asyncio.to_thread(
-            engine.update_weights_from_group, group, body.names, body.dtypes, body.shapes,
-            body.weight_version, flattened=body.load_format == "flattened_bucket",
+        return await _result(
+            "update_weights_from_distributed", group_name=body.group_name, names=body.names,
+            dtypes=body.dtypes, shapes=body.shapes, version=body.weight_version,
+            flattened=body.load_format == "flattened_bucket",
             abort_first=body.abort_all_requests, flush_cache=body.flush_cache)
-        return JSONResponse(result, status_code=200 if result["success"] else 400)
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupReqIn | None = None):
         name = (body or DestroyWeightsUpdateGroupReqIn()).group_name
-        group = groups.pop(name, None)
-        if group is None:
-            return JSONResponse({"success": False, "message": f"no group {name!r}"}, status_code=400)
-        await asyncio.to_thread(destroy_weight_update_group, group)
-        return {"success": True, "message": "Succeeded to destroy custom process group."}
+        return await _result("destroy_weights_update_group", group_name=name)
 
     @app.post("/get_weights_by_name")
     @app.get("/get_weights_by_name")
     async def get_weights_by_name(body: GetWeightsByNameReqIn):
-        # Read between decode steps would race the engine thread; the parameters only change
-        # under the writer lock, and a tensor read here is a copy.
-        params = dict(engine.model.named_parameters(remove_duplicate=False))
-        if body.name not in params:
+        values = await engine.call("get_weights_by_name", name=body.name,
+                                   truncate_size=body.truncate_size)
+        if values is None:
             return _error(400, f"name: no parameter {body.name!r}")
-        return params[body.name].detach()[: body.truncate_size].float().cpu().tolist()
+        return values
 
     @app.post("/flush_cache")
     async def flush_cache():
@@ -284,27 +248,31 @@ def create_app(engine: GenerationEngine) -> FastAPI:
     async def health():
         # SGLang's health check generates one token, so it fails while generation is paused:
         # never poll it during a weight push.
-        if engine.paused:
+        if (await engine.call("stats"))["paused"]:
             return Response(status_code=503)
-        probe = await _one(None, [engine.tokenizer.bos_token_id or 0],
-                           SamplingParamsIn(max_new_tokens=1, temperature=0.0))
-        ok = probe["meta_info"]["finish_reason"]["type"] != "abort"
+        bos = engine.info["bos_token_id"] or 0
+        probe = await engine.generate([(f"health-{next(counter)}", [bos], _sampling(
+            SamplingParamsIn(max_new_tokens=1, temperature=0.0)))])
+        ok = probe[0]["meta_info"]["finish_reason"]["type"] != "abort"
         return Response(status_code=200 if ok else 503)
 
     @app.get("/model_info")
     @app.get("/get_model_info")  # deprecated in SGLang, still served
     async def model_info():
-        return {"model_path": engine.model_path, "tokenizer_path": engine.model_path,
+        stats = await engine.call("stats")
+        return {"model_path": stats["model_path"], "tokenizer_path": stats["model_path"],
                 "is_generation": True, "preferred_sampling_params": None,
-                "weight_version": engine.weight_version, "has_image_understanding": False,
-                "has_audio_understanding": False, "model_type": engine.model.config.model_type,
-                "architectures": getattr(engine.model.config, "architectures", None)}
+                "weight_version": stats["weight_version"], "has_image_understanding": False,
+                "has_audio_understanding": False, "model_type": engine.info["model_type"],
+                "architectures": engine.info["architectures"]}
 
     @app.get("/server_info")
     @app.get("/get_server_info")  # deprecated in SGLang, still served
     async def server_info():
-        return {"version": "oolong-embedded", "context_length": engine.context_len, "tp_size": 1,
-                **engine.stats()}
+        stats = await engine.call("stats")
+        stats.pop("model_path")
+        return {"version": "oolong-embedded", "context_length": engine.info["context_len"],
+                "tp_size": 1, **stats}
 
     return app
 
@@ -334,16 +302,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is gone (no orphans after a SIGKILL)")
     args = parser.parse_args(argv)
-    if args.parent_pid:
-        _exit_with_parent(args.parent_pid)
-    torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s server %(levelname)s %(message)s")
-    engine = GenerationEngine(args.model_path, device=args.device, seed=args.seed,
-                              max_batch_size=args.max_batch_size, weight_version=args.weight_version)
+    # Before anything starts a thread or opens a socket: the engine process is forked from here.
+    engine = EngineProcess(threads=args.threads, model_path=args.model_path, device=args.device,
+                           seed=args.seed, max_batch_size=args.max_batch_size,
+                           weight_version=args.weight_version)
+    if args.parent_pid:
+        _exit_with_parent(args.parent_pid)
     import uvicorn
 
-    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
+    from training_core.models.loading import load_tokenizer
+
+    try:
+        uvicorn.run(create_app(engine, load_tokenizer(args.model_path)), host=args.host,
+                    port=args.port, log_level="warning")
+    finally:
+        engine.close()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The embedded rollout server's engine: one thread that owns a transformers model and serves
 generation requests with continuous batching. The HTTP front end (SGLang's native API) is
-``embedded_server.py``; this module knows nothing of HTTP.
+``embedded_server.py``, in another process (``engine_process.py``); this module knows nothing of
+HTTP.
 
 Engine (one thread, owns the model):
 - Continuous batching. The running batch shares one left-padded KV cache in preallocated
@@ -67,6 +68,8 @@ class Seq:
     top_k: int
     stop_ids: set[int]
     ignore_eos: bool
+    # Set with the response once finished, through ``loop.call_soon_threadsafe``: an asyncio
+    # future and its loop, or engine_process's stand-ins that send the response over its pipe.
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     output: list[int] = field(default_factory=list)
