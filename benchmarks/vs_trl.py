@@ -188,9 +188,9 @@ def run_oolong(workload: str, staleness: int, model: Path, steps: int, seed: int
                        [r["response_length/mean"] * batch for r in rows],
                        [r["reward/mean"] for r in rows]),
             "max_staleness": staleness, "num_servers": spec.rollout.num_servers,
-            "threads": (f"{spec.rollout.num_servers + 1} processes ({spec.rollout.num_servers} "
-                        "rollout servers, the trainer), 1 thread each; the trainer borrows idle "
-                        f"servers' threads up to {CORES}")}
+            "threads": (f"{spec.rollout.num_servers} rollout servers (each an HTTP front end "
+                        "and an engine process decoding on 1 thread) and the trainer (1 thread); "
+                        f"the trainer borrows idle servers' threads up to {CORES}")}
 
 
 # ---- the benchmark -------------------------------------------------------------------------
