@@ -249,6 +249,18 @@ def test_a_prompt_longer_than_the_context_is_aborted_at_once_with_no_tokens(serv
     assert len(near["output_ids"]) == 4 and near["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_requests_answered_at_once_and_decoded_ones_all_come_back_when_mixed(server):
+    """The engine process answers a prompt it cannot queue (too long) on its reading thread
+    while the engine thread answers finished ones: every response arrives, none is lost."""
+    def one(i: int) -> dict:
+        prompt = [5] * 600 if i % 2 else [5, 6 + i % 7]
+        return generate(server, prompt, max_new_tokens=3, ignore_eos=True)
+
+    with ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(one, range(64)))
+    assert [len(o["output_ids"]) for o in outs] == [0 if i % 2 else 3 for i in range(64)]
+
+
 def test_health_fails_while_paused_and_model_info_has_the_version(server):
     assert httpx.get(server + "/health").status_code == 200
     assert httpx.get(server + "/model_info").json()["weight_version"] == httpx.get(

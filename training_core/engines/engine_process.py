@@ -50,27 +50,30 @@ class EngineError(RuntimeError):
 
 
 class _Link:
-    """The engine process's sending end: one lock for the engine thread and the call threads, and
-    a batch of results collected while the engine answers finished requests."""
+    """The engine process's sending end: one lock for the threads that send (the engine's, the
+    main one's, the calls'), and per thread the batch of results being collected (the engine
+    answering finished requests, the main thread answering at once those it cannot queue)."""
 
     def __init__(self, conn: Connection):
         self.conn = conn
         self._lock = threading.Lock()
-        self._results: list[tuple[int, Any]] = []
+        self._local = threading.local()
 
     def send(self, message: tuple) -> None:
         with self._lock:
             self.conn.send(message)
 
     def result(self, key: int, value: Any) -> None:
-        self._results.append((key, value))
+        """Only inside :meth:`batch`, on the thread that opened it."""
+        self._local.results.append((key, value))
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
+        self._local.results = []
         try:
             yield
         finally:
-            results, self._results = self._results, []
+            results, self._local.results = self._local.results, None
             if results:
                 self.send(("results", results))
 
