@@ -35,11 +35,15 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
+
+from training_core.engines.generation_engine import GenerationEngine, Seq
+from training_core.engines.weight_group import (
+    destroy_weight_update_group,
+    init_weight_update_group,
+)
+
 log = logging.getLogger("oolong.server")
-
-
-class EngineDied(RuntimeError):
-    """The engine process is gone; the server cannot generate any more."""
 
 
 class EngineError(RuntimeError):
@@ -116,25 +120,22 @@ class _EngineHost:
              "update_weights_from_distributed", "destroy_weights_update_group",
              "get_weights_by_name", "stats")
 
-    def __init__(self, engine: Any, link: _Link):
-        from training_core.engines.generation_engine import Seq
-
-        self.engine, self.link, self.seq_type = engine, link, Seq
+    def __init__(self, engine: GenerationEngine, link: _Link):
+        self.engine, self.link = engine, link
         self.loop = _PipeLoop(link)
         self.groups: dict[str, Any] = {}
 
     def info(self) -> dict[str, Any]:
         e = self.engine
-        return {"context_len": e.context_len, "device_type": e.device.type,
-                "model_type": e.model.config.model_type,
+        return {"context_len": e.context_len, "model_type": e.model.config.model_type,
                 "architectures": getattr(e.model.config, "architectures", None),
-                "bos_token_id": e.tokenizer.bos_token_id, "pid": os.getpid()}
+                "bos_token_id": e.tokenizer.bos_token_id}
 
     def generate(self, rows: list[tuple[int, str, list[int], dict[str, Any]]]) -> None:
         e = self.engine
         with self.link.batch():  # the requests answered at once (below) go back together
             for key, rid, input_ids, sp in rows:
-                seq = self.seq_type(
+                seq = Seq(
                     rid=rid, prompt=list(input_ids),
                     max_new_tokens=min(sp["max_new_tokens"], e.context_len - len(input_ids)),
                     temperature=sp["temperature"], top_p=sp["top_p"], top_k=sp["top_k"],
@@ -172,8 +173,6 @@ class _EngineHost:
         return self.engine.update_weights(**kwargs)
 
     def _init_weights_update_group(self, group_name: str, backend: str, **kwargs: Any) -> dict:
-        from training_core.engines.weight_group import init_weight_update_group
-
         if group_name in self.groups:
             return {"success": False, "message": f"group {group_name!r} exists; destroy it first"}
         # SGLang's backend default is nccl: a CPU engine can only speak gloo.
@@ -194,8 +193,6 @@ class _EngineHost:
         return self.engine.update_weights_from_group(group, **kwargs)
 
     def _destroy_weights_update_group(self, group_name: str) -> dict:
-        from training_core.engines.weight_group import destroy_weight_update_group
-
         group = self.groups.pop(group_name, None)
         if group is None:
             return {"success": False, "message": f"no group {group_name!r}"}
@@ -222,10 +219,6 @@ def _serve(conn: Connection, other_end: Connection, threads: int,
     # shuts down and closes the pipe, and the engine follows (nothing logged as a crash).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import torch
-
-    from training_core.engines.generation_engine import GenerationEngine
-
     torch.set_num_threads(threads)
     link = _Link(conn)
     try:
@@ -285,10 +278,6 @@ class EngineProcess:
             self._process.join(timeout=10)
             return ("failed", f"the engine process exited with code {self._process.exitcode}")
 
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid
-
     def close(self) -> None:
         self._conn.close()
         self._process.join(timeout=10)
@@ -327,8 +316,6 @@ class EngineProcess:
             loop.add_reader(self._conn.fileno(), self._drain)
         elif loop is not self._loop:
             raise RuntimeError("EngineProcess is bound to the event loop that first used it")
-        if self._process.exitcode is not None:
-            self._died(f"the engine process exited with code {self._process.exitcode}")
         return loop
 
     def _drain(self) -> None:
@@ -357,14 +344,8 @@ class EngineProcess:
             future.set_exception(value)
 
     def _died(self, message: str) -> None:
-        """Nothing can be generated any more: fail every request waiting, and the server with
-        them (a supervisor restarts it; a front end without an engine would answer 500s)."""
+        """Nothing can be generated any more: the server exits (its requests' connections drop,
+        and a supervisor restarts it; a front end without an engine would answer 500s). The
+        pipe's end of file reaches the reader as soon as the engine process is gone."""
         log.error("%s; the server exits", message)
-        if self._loop is not None:
-            with contextlib.suppress(Exception):
-                self._loop.remove_reader(self._conn.fileno())
-        pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(EngineDied(message))
         os._exit(1)
