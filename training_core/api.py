@@ -7,7 +7,9 @@ carry -1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -41,7 +43,6 @@ class SamplingParams:
 class GenerationRequest:
     input_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    rid: str | None = None
 
 
 @dataclass
@@ -54,7 +55,6 @@ class GenerationResponse:
     output_versions: list[int]
     finish_reason: str  # "stop" | "length" (an interrupted sample whose budget ran out: "length")
     interruptions: int = 0
-    latency_s: float = 0.0
 
 
 @dataclass
@@ -104,12 +104,86 @@ class TrajectoryGroup:
 
 @runtime_checkable
 class InferenceEngine(Protocol):
-    """What a workflow may call: generation that survives weight updates."""
+    """The rollout side as workflows, evaluation and the loop see it: generation that survives
+    weight updates (``engines.rollout_client.RolloutClient`` over SGLang-compatible servers).
 
-    async def agenerate(self, request: GenerationRequest) -> GenerationResponse: ...
+    ``version`` is the policy version new tokens come from (its owner: training_core.version).
+    ``pause`` interrupts generation for a weight update (in-flight requests come back and are
+    continued after ``resume``)."""
 
     @property
     def version(self) -> int: ...
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationResponse: ...
+
+    async def agenerate_group(self, request: GenerationRequest, n: int) -> list[GenerationResponse]:
+        """``n`` samples of one prompt (one batched request where the servers take it)."""
+        ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+
+class WeightReceiver(InferenceEngine, Protocol):
+    """An inference engine whose servers take new weights: what ``weight_sync`` drives (SGLang's
+    weight-update routes, docs/design.md §4)."""
+
+    @property
+    def urls(self) -> list[str]: ...
+
+    @property
+    def flush_cache(self) -> bool: ...
+
+    async def update_weights_from_disk(self, path: str, version: int) -> None: ...
+
+    async def tp_sizes(self) -> list[int]: ...
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int,
+                                        rank_offsets: list[int], world_size: int,
+                                        group_name: str, backend: str) -> None: ...
+
+    async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], group_name: str,
+                                              version: int | None, flush_cache: bool,
+                                              load_format: str | None = None) -> None: ...
+
+    async def destroy_weights_update_group(self, group_name: str) -> None: ...
+
+    async def weight_update_bracket(self, path: str) -> bool: ...
+
+    async def weight_versions(self) -> list[str]: ...
+
+
+class TrainEngine(Protocol):
+    """The trainer as the loop, weight sync and checkpoints see it
+    (``engines.deepspeed_trainer.DeepSpeedTrainer``). The loss is injected: ``train_step`` takes
+    a pure tensor function (algorithms/loss.py)."""
+
+    zero_stage: int
+    reference: Any  # the frozen reference policy for KL presets, else None
+
+    def logprobs(self, batch: TrainBatch, model: Any = None) -> torch.Tensor:
+        """Per-token logprobs of ``batch`` under the current policy (or ``model``)."""
+        ...
+
+    def train_step(self, batch: TrainBatch, prox_logp: torch.Tensor | None, loss_fn: Callable,
+                   *, minibatches: int = 1, ref_logp: torch.Tensor | None = None,
+                   compute_rows: list[int] | None = None,
+                   before_micro_batch: Callable[[], None] | None = None) -> dict[str, float]:
+        """One update over ``batch``; returns its statistics (loss, tokens, grad norm, ...)."""
+        ...
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The full weights, for a push (a collective under ZeRO-3)."""
+        ...
+
+    def save_weights(self, path: str | Path) -> Path: ...
+
+    def save_checkpoint(self, ckpt_dir: str | Path, tag: str,
+                        client_state: dict[str, Any]) -> Path: ...
+
+    def load_checkpoint(self, ckpt_dir: str | Path, tag: str) -> dict[str, Any]: ...
 
 
 class Workflow(Protocol):

@@ -11,14 +11,22 @@ from training_core.api import PROMPT_VERSION, TrainBatch, TrajectoryGroup
 
 def build_train_batch(groups: list[TrajectoryGroup], *, pad_id: int, algo: AlgorithmConfig,
                       max_new_tokens: int) -> TrainBatch:
-    sizes = {len(g.samples) for g in groups}
-    if len(sizes) != 1:
-        raise ValueError(f"all groups must have the same size, got {sorted(sizes)}")
     samples = [s for g in groups for s in g.samples]
-    rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)
-    lengths = torch.tensor([[s.num_output_tokens for s in g.samples] for g in groups])
-    shaped = rewards + overlong_penalty(lengths, max_new_tokens, algo)
-    adv = group_advantages(shaped, algo).reshape(-1)
+    token_adv = None
+    if any("episode" in s.info for s in samples):
+        # Agent episodes: a trajectory is several segments (rows), credit per token, the group
+        # baseline over trajectories (training_core/gateway/credit.py).
+        from training_core.gateway.credit import segment_advantages
+
+        token_adv = segment_advantages(groups, algo)
+    else:
+        sizes = {len(g.samples) for g in groups}
+        if len(sizes) != 1:
+            raise ValueError(f"all groups must have the same size, got {sorted(sizes)}")
+        rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)
+        lengths = torch.tensor([[s.num_output_tokens for s in g.samples] for g in groups])
+        shaped = rewards + overlong_penalty(lengths, max_new_tokens, algo)
+        adv = group_advantages(shaped, algo).reshape(-1)
 
     # Pad as Python lists and convert once per field: per-sample tensor copies cost more than
     # the forward pass for small models.
@@ -39,7 +47,8 @@ def build_train_batch(groups: list[TrajectoryGroup], *, pad_id: int, algo: Algor
         loss_mask=loss_mask,
         behav_logp=torch.tensor(pad([s.logprobs for s in samples], 0.0), dtype=torch.float32),
         versions=torch.tensor(pad([s.versions for s in samples], PROMPT_VERSION), dtype=torch.long),
-        advantages=adv.view(-1, 1) * loss_mask,
+        advantages=(adv.view(-1, 1) if token_adv is None
+                    else torch.tensor(pad(token_adv, 0.0), dtype=torch.float32)) * loss_mask,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from collections.abc import Callable, Iterable
@@ -19,6 +20,20 @@ def pushed_weights(run_dir: str | Path) -> list[tuple[int, Path]]:
         if d.name[1:].isdigit() and (d / "model.safetensors").exists():
             found.append((int(d.name[1:]), d))
     return sorted(found)
+
+
+CURRENT_WEIGHTS = "CURRENT"  # in weights/: the version the servers hold, and its folder
+
+
+def current_weights(run_dir: str | Path) -> tuple[int, Path] | None:
+    """The weights the servers hold, as the last completed push recorded them (``disk`` sync:
+    weight_sync.DiskSync writes it): what a restarted server loads. None before the first push.
+    The version comes from the trainer's record, never from folder names."""
+    try:
+        data = json.loads((Path(run_dir) / "weights" / CURRENT_WEIGHTS).read_text())
+    except (OSError, ValueError):
+        return None
+    return int(data["version"]), Path(data["path"])
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:

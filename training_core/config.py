@@ -10,6 +10,8 @@ with a :class:`SpecError` naming the dotted key and what is allowed.
 from __future__ import annotations
 
 import difflib
+import re
+import string
 from pathlib import Path
 from typing import Any, Literal
 
@@ -56,6 +58,30 @@ class ModelSpec(_Section):
         "busy the machine is; 0: bounded by warm_start_seconds only"))
 
 
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_prompt_template(text: str) -> None:
+    """A prompt template names row fields as plain ``{field}``, nothing more: a format spec
+    (``{question:>2000000000}`` made a 2 GB prompt), a conversion (``!r``), attribute access or
+    indexing (``{question.__class__}``) or a positional ``{}`` runs more than a lookup where the
+    trainer formats it. Literal braces are written ``{{`` and ``}}``."""
+    try:
+        parts = list(string.Formatter().parse(text))
+    except ValueError as exc:
+        raise ValueError(f"data.prompt_template is not a valid format string: {exc}; write "
+                         "literal braces as {{ and }}") from None
+    for _, name, spec, conversion in parts:
+        if name is None:
+            continue
+        if not _FIELD_NAME.fullmatch(name) or spec or conversion:
+            shown = "{" + name + (f"!{conversion}" if conversion else "") + (
+                f":{spec}" if spec else "") + "}"
+            raise ValueError(f"data.prompt_template may name row fields only as plain {{field}} "
+                             f"(letters, digits, _), got {shown[:80]!r}: no format specs, "
+                             "conversions, attributes, indexes or positional {}")
+
+
 class DataSpec(_Section):
     source: str = Field("synthetic:arithmetic", description=(
         "<kind>:<argument>; kinds: synthetic (arithmetic), jsonl, parquet, csv, hf_disk, gsm8k, "
@@ -78,6 +104,13 @@ class DataSpec(_Section):
         prompt_template_text(self.prompt_template)  # raises naming the choices
         return self
 
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_plain_fields(cls, value: str) -> str:
+        if "{" in value or "}" in value:  # a format string (named templates are ours)
+            check_prompt_template(value)
+        return value
+
     @model_validator(mode="after")
     def _kind_known(self) -> DataSpec:
         kind = self.source.split(":", 1)[0]
@@ -90,6 +123,33 @@ class DataSpec(_Section):
 
 
 DATA_KINDS = ("synthetic", "jsonl", "parquet", "csv", "hf_disk", "gsm8k", "reasoning_gym")
+
+
+class AgentSpec(_Section):
+    """Limits and credit of agent episodes (``rollout.workflow: agent:<module>:<callable>``)."""
+
+    max_turns: int = Field(8, ge=1, description=(
+        "chat completions per episode; one more fails the episode"))
+    max_tokens: int = Field(1024, ge=1, description=(
+        "tokens the model may sample in one episode (each turn's budget is clamped to what is "
+        "left); reaching it fails the episode's next request"))
+    timeout_s: float = Field(120.0, gt=0, description="wall time per episode; the jail is killed")
+    discount: float = Field(1.0, gt=0, le=1, description=(
+        "gamma across turns: turn t's return is sum_k>=t gamma^(k-t) r_k"))
+    retries: int = Field(1, ge=0, le=3, description=(
+        "a failed episode is run again this many times, then its group is dropped (never 0)"))
+    tool_format: Literal["auto", "hermes", "smollm2"] = Field("auto", description=(
+        "how tools are described to a model whose chat template ignores them, and its call form; "
+        "auto: SmolLM2's for SmolLM2, Hermes otherwise"))
+    memory_mb: int = Field(2048, ge=256, description="memory of one agent's jail")
+    gateway_host: str = Field("127.0.0.1", description=(
+        "online mode: the address the gateway listens on (0.0.0.0 for clients on other hosts)"))
+    gateway_port: int = Field(0, ge=0, le=65535, description="online mode: 0 picks a free port")
+    gateway_file: str = Field("", description=(
+        "online mode: where the URL and run key are written (0600); default <run_dir>/gateway.json"))
+    gateway_key: str = Field("", max_length=128, description=(
+        "online mode: the run key external clients present; the web app issues one per online "
+        "run and shows it on the run page; empty: the gateway makes one"))
 
 
 class RolloutSpec(_Section):
@@ -123,12 +183,31 @@ class RolloutSpec(_Section):
         "of the server's time on the long-tail benchmark), abort on SGLang"))
     batch_timeout_s: float = Field(
         600.0, gt=0, description="fail the run if no training batch is ready for this long")
-    workflow: str = Field("rlvr", description="rlvr | multi_turn | module:Class")
+    workflow: str = Field("rlvr", description=(
+        "rlvr | multi_turn | module:Class | agent:<module>:<callable> (an agent written against "
+        "the OpenAI API, run in the jail against the gateway: docs/agents.md)"))
     max_turns: int = Field(2, ge=1, description="multi_turn workflow: attempts per episode")
     turn_discount: float = Field(0.9, gt=0, le=1, description=(
         "multi_turn workflow: reward factor per extra turn"))
+    mode: Literal["workflow", "online"] = Field("workflow", description=(
+        "workflow: episodes run here (rollout.workflow); online: agents elsewhere open sessions "
+        "on the gateway and post rewards (docs/agents.md)"))
+    agent: AgentSpec = Field(default_factory=lambda: AgentSpec(),
+                             description="agent workflows (agent:<module>:<callable>)")
     server_threads: int = Field(1, ge=1, description="torch threads per embedded server")
+    tp: int = Field(1, ge=1, description=(
+        "GPUs each rollout server owns: SGLang's --tp-size, and its CUDA_VISIBLE_DEVICES"))
     max_batch_size: int = Field(256, ge=1, description="embedded server decode batch")
+
+    @field_validator("workflow")
+    @classmethod
+    def _agent_named(cls, value: str) -> str:
+        if value.startswith("agent:"):
+            module, sep, entry = value.removeprefix("agent:").rpartition(":")
+            if not sep or not module or not entry.isidentifier():
+                raise ValueError("an agent is named agent:<module>:<callable>, e.g. "
+                                 "agent:examples/calculator_agent.py:run")
+        return value
 
     @model_validator(mode="after")
     def _top_k_like_sglang(self) -> RolloutSpec:
@@ -164,9 +243,47 @@ class RewardSpec(_Section):
                                 description="the remote executor's backend class (import path)")
     workers: int = Field(1, ge=1, description="reward worker processes")
     timeout_s: float = Field(10.0, gt=0, description="per reward call; a timeout scores 0")
+    max_failing_steps: int = Field(3, ge=1, description=(
+        "fail the run when more than half of a step's rewards fail (raise, time out, die) for "
+        "this many consecutive steps; a failed reward scores 0, so such a run would only look "
+        "like a hard task"))
 
 
 _PRESET = "; empty: the preset's value"
+
+
+class RolloutCorrectionSpec(_Section):
+    """Which tokens and sequences the loss keeps when the rollout (behaviour) policy differs from
+    the trainer's proximal policy; w = pi_prox / pi_behav per token (algorithms/correction.py).
+    The default is the preset's behaviour-weight cap: mask tokens with w above it."""
+
+    token_mode: Literal["truncate", "mask", "none"] | None = Field(None, description=(
+        "token level: truncate (TIS: w clamped into [token_low, token_high]), mask (MIS: a "
+        "token with w outside it leaves the loss), none; empty: algorithm.behav_weight_mode "
+        "(mask, or clip = truncate)"))
+    token_low: float = Field(0.0, ge=0, description="token level lower bound on w; 0: none")
+    token_high: float | None = Field(None, gt=0, description=(
+        "token level upper bound on w; empty: algorithm.behav_weight_cap"))
+    sequence_mode: Literal["none", "geometric", "product"] = Field("none", description=(
+        "sequence level: geometric masks a sample whose geometric mean ratio exp(mean log w) is "
+        "outside [sequence_low, sequence_high] (length-invariant); product uses exp(sum log w), "
+        "which masks long samples far more often (for comparison only); none"))
+    sequence_low: float | None = Field(None, ge=0, description=(
+        "sequence level lower bound; empty: 1 / sequence_high"))
+    sequence_high: float = Field(1.05, gt=1, description="sequence level upper bound (> 1)")
+    opsm_delta: float | None = Field(None, ge=0, description=(
+        "off-policy sequence masking (DeepSeek-V3.2): drop a sample with a negative advantage "
+        "whose mean log(pi_behav / pi_theta) exceeds this; empty: off"))
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> RolloutCorrectionSpec:
+        if self.token_high is not None and self.token_low >= self.token_high:
+            raise ValueError(f"token_low ({self.token_low}) must be below token_high "
+                             f"({self.token_high})")
+        if self.sequence_low is not None and self.sequence_low >= 1:
+            raise ValueError(f"sequence_low ({self.sequence_low}) must be below 1 (a sample "
+                             "with no mismatch has ratio 1 and must be kept)")
+        return self
 
 
 class AlgorithmSpec(_Section):
@@ -190,6 +307,10 @@ class AlgorithmSpec(_Section):
         "20%)" + _PRESET))
     overlong_penalty: float | None = Field(None, description=(
         "DAPO's penalty at the length limit" + _PRESET))
+    rollout_correction: RolloutCorrectionSpec = Field(
+        default_factory=RolloutCorrectionSpec, description=(
+            "rollout-training mismatch correction: token (TIS/MIS), sequence (geometric) and "
+            "OPSM rules; docs/mismatch-and-reward-failures.md"))
 
 
 class TrainerSpec(_Section):
@@ -213,14 +334,17 @@ class TrainerSpec(_Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="the trainer's collective backend; auto: nccl on GPUs, else gloo")
-    recompute_proximal: Literal["stale", "always", "never"] = Field(
-        "stale", description="proximal logprobs (the policy before the update). With one PPO "
+    recompute_proximal: Literal["auto", "stale", "always", "never"] = Field(
+        "auto", description="proximal logprobs (the policy before the update). With one PPO "
         "minibatch the update's own forward gives them exactly, no extra pass, unless 'never'. "
-        "With more, which samples get a separate trainer forward: 'stale' (default) those with a "
-        "token from an older policy version, since a sample the current version generated has "
-        "proximal = behaviour policy; 'always' every sample (for servers whose numerics differ "
-        "from the trainer's, e.g. bf16 SGLang against an fp32 trainer). 'never' approximates "
-        "proximal by behaviour for all (w = 1)")
+        "With more, which samples get a separate trainer forward: 'stale' those with a token "
+        "from an older policy version, since a sample the current version generated has "
+        "proximal = behaviour policy, which holds only when the servers compute the trainer's "
+        "distribution exactly; 'always' every sample; 'never' approximates proximal by "
+        "behaviour for all (w = 1). auto (default): 'stale' only with the embedded engine "
+        "(rollout.backend embedded) and model.dtype float32, where server and trainer agree to "
+        "~1e-6; 'always' otherwise (an SGLang fleet, or bf16/fp16 rollouts, whose kernels differ "
+        "from the trainer's)")
     threads: int = Field(1, ge=1, description="torch threads in the trainer process")
     borrow_idle_threads: bool = Field(
         True, description="on CPU with local embedded servers: while generation is held by the "
@@ -277,6 +401,11 @@ class TerraformVarsSpec(_Section):
     prefect_api_url: str = Field(..., pattern=r"^https?://[^\s\"'\\`$]+$")
     control_plane_cidrs: list[str] = Field(default_factory=list)
     ssh_allowed_cidrs: list[str] = Field(default_factory=list)
+    checkpoint_bucket: str = Field("", pattern=r"^([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])?$", description=(
+        "S3 bucket of the durable checkpoint store (the nodes' role may use only this run's "
+        "prefix); empty: checkpoints die with the nodes"))
+    checkpoint_prefix: str = Field("oolong", pattern=r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$",
+                                   description="key prefix of the store in checkpoint_bucket")
 
     @field_validator("control_plane_cidrs", "ssh_allowed_cidrs")
     @classmethod
@@ -298,6 +427,9 @@ class PlacementSpec(_Section):
     server_nodes: list[int] | None = Field(None, description=(
         "node indices the rollout servers go to, round-robin; default: the nodes the trainer "
         "does not use (all nodes when it uses every one)"))
+    trainer_gpus_per_node: int | None = Field(None, ge=1, description=(
+        "GPUs each trainer node gives to training (its nproc_per_node); default: every GPU of "
+        "the node the rollout servers do not own"))
 
 
 class OrchestrationSpec(_Section):
@@ -313,6 +445,20 @@ class OrchestrationSpec(_Section):
     heartbeat_timeout_s: float = Field(900.0, gt=0, description=(
         "fail the run when a process makes no progress for this long"))
     max_server_restarts: int = Field(2, ge=0, description="restarts of a dead rollout server")
+    server_lost_after_s: float = Field(60.0, gt=0, description=(
+        "a placed run's rollout server that answers no health probe for this long (or "
+        "heartbeat_timeout_s, if shorter) is lost: the bound on detecting a dead node"))
+    probe_timeout_s: float = Field(5.0, gt=0, description=(
+        "one health probe of a rollout server; every server is probed at once each poll"))
+    worker_lost_after_s: float = Field(60.0, gt=0, description=(
+        "a node whose Prefect worker has not polled its queue for this long is lost (a worker "
+        "polls every PREFECT_WORKER_QUERY_SECONDS, 10 s by default)"))
+    nodes_online_timeout_s: float = Field(900.0, gt=0, description=(
+        "how long a placed run waits for the workers of the nodes it needs to come online "
+        "(cloud nodes: their setup) before it fails naming the missing ones"))
+    max_restarts: int = Field(1, ge=0, description=(
+        "automatic recoveries of a placed run that lost a node or process: it resumes from the "
+        "durable store on the nodes still online, at most this many times"))
 
 
 class RunSpec(_Section):
@@ -334,6 +480,16 @@ class RunSpec(_Section):
         "and /update_weights_from_disk (servers must share the trainer's filesystem). "
         "distributed: SGLang's distributed weight update, broadcast over the network from "
         "trainer rank 0 (gloo on CPU, nccl on GPU); no shared disk needed."))
+
+    @property
+    def recompute_proximal_mode(self) -> str:
+        """``trainer.recompute_proximal`` with auto resolved: the behaviour logprobs stand in
+        for the proximal ones only where they are exact (the embedded fp32 engine)."""
+        mode = self.trainer.recompute_proximal
+        if mode != "auto":
+            return mode
+        exact = self.rollout.backend == "embedded" and self.model.dtype == "float32"
+        return "stale" if exact else "always"
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunSpec:
@@ -441,7 +597,9 @@ def spec_from_dict(data: dict[str, Any]) -> RunSpec:
         raise SpecError(_format_errors(exc)) from None
 
 
-def load_spec(path: str | Path | None = None, overrides: list[str] | None = None) -> RunSpec:
+def spec_data(path: str | Path | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """A spec file (YAML) with dotted overrides applied, as plain data, not yet validated: what the
+    CLI sends to the web app, which validates it with the project's rules."""
     data: dict[str, Any] = {}
     if path is not None:
         text = Path(path).read_text()
@@ -452,7 +610,11 @@ def load_spec(path: str | Path | None = None, overrides: list[str] | None = None
         if not isinstance(loaded, dict):
             raise SpecError({str(path): "the top level must be a mapping of sections"})
         data = loaded
-    return spec_from_dict(_deep_merge(data, parse_overrides(overrides or [])))
+    return _deep_merge(data, parse_overrides(overrides or []))
+
+
+def load_spec(path: str | Path | None = None, overrides: list[str] | None = None) -> RunSpec:
+    return spec_from_dict(spec_data(path, overrides))
 
 
 def dump_spec(spec: RunSpec, path: str | Path) -> None:

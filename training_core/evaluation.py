@@ -12,16 +12,20 @@ reward with its answer extraction, and both report :func:`eval_metrics`.
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
-from training_core.api import GenerationRequest, SamplingParams
+from training_core.api import GenerationRequest, InferenceEngine, SamplingParams
 from training_core.config import RunSpec
-from training_core.engines.rollout_client import RolloutClient
+from training_core.engines.rollout_client import EpisodeError
+from training_core.metric_names import EVAL_ERRORS
 from training_core.rewards.registry import resolve_reward
 from training_core.workflows.base import WorkflowContext, render_prompt
 
 CORRECT = 1.0 - 1e-6  # a reward this high counts as a correct answer
+
+log = logging.getLogger(__name__)
 
 
 def eval_metrics(rewards: list[float], prefix: str = "eval") -> dict[str, float]:
@@ -31,16 +35,34 @@ def eval_metrics(rewards: list[float], prefix: str = "eval") -> dict[str, float]
             f"{prefix}/reward": sum(rewards) / len(rewards)}
 
 
-async def evaluate(client: RolloutClient, ctx: WorkflowContext, rows: list[dict[str, Any]],
-                   max_new_tokens: int) -> dict[str, float]:
-    """Greedy accuracy on held-out rows, through the same servers (runs beside training)."""
+async def evaluate(client: InferenceEngine, ctx: WorkflowContext, rows: list[dict[str, Any]],
+                   max_new_tokens: int, errors: list[str] | None = None) -> dict[str, float]:
+    """Greedy accuracy on held-out rows, through the same servers (runs beside training).
+
+    A row whose episode fails (a prompt too long for the server, a request it rejects) scores 0
+    and is counted in ``eval/errors``: one bad eval row must not fail the run. Servers that stay
+    unreachable (``RolloutServerError``) still fail it. Accuracy keeps every row in its
+    denominator, so evaluations stay comparable. The failed rows' messages are appended to
+    ``errors`` when it is given."""
     greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
+    failed: list[str] = []
 
     async def one(item: dict[str, Any]) -> float:
-        resp = await client.agenerate(GenerationRequest(ctx.render_prompt(item), greedy))
-        return (await ctx.rewards.score(ctx.decode(resp.output_ids), item)).reward
+        try:
+            resp = await client.agenerate(GenerationRequest(ctx.render_prompt(item), greedy))
+            return (await ctx.rewards.score(ctx.decode(resp.output_ids), item)).reward
+        except EpisodeError as exc:  # this row's fault; a server down still fails the run
+            failed.append(f"{type(exc).__name__}: {exc}")
+            return 0.0
 
-    return eval_metrics(list(await asyncio.gather(*[one(r) for r in rows])))
+    scores = list(await asyncio.gather(*[one(r) for r in rows]))
+    if failed:
+        log.warning("evaluation: %d of %d rows failed (scored 0); first: %s", len(failed),
+                    len(rows), failed[0])
+        if errors is not None:
+            errors.extend(failed)
+    out = eval_metrics(scores)
+    return {**out, EVAL_ERRORS: float(len(failed))} if out else out
 
 
 def evaluate_weights(spec: RunSpec, model_dir: Path, weights_dir: Path,

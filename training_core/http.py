@@ -26,6 +26,8 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
+from training_core.engines.json_http import get_status
+
 
 class ServerError(httpx.HTTPStatusError):
     """A 5xx answer: the server's trouble, worth retrying."""
@@ -77,7 +79,7 @@ def wait_healthy(url: str, timeout_s: float, *, dead: Callable[[], str | None] |
         if dead is not None and (reason := dead()) is not None:
             raise RuntimeError(reason)
         try:
-            if ok(httpx.get(url, timeout=2.0).status_code):
+            if ok(get_status(url, timeout_s=2.0)):
                 return
         except httpx.TransportError:
             pass

@@ -27,6 +27,10 @@ def prepare_remote_run(tracker_url: str, token: str, run_dir: str | Path, *,
     metrics = dict(spec.get("metrics", {}))
     sinks = list(dict.fromkeys([*metrics.get("sinks", ["jsonl"]), "http"]))
     spec["metrics"] = {**metrics, "sinks": sinks, "tracker_url": tracker_url, "tracker_token": token}
+    if info.get("gateway_key"):  # online mode: the key the web app issued and shows its members
+        rollout = dict(spec.get("rollout") or {})
+        rollout["agent"] = {**(rollout.get("agent") or {}), "gateway_key": info["gateway_key"]}
+        spec["rollout"] = rollout
     match = USER_REWARD.match(info["reward"]["fn"])
     if match and info["reward"].get("source"):
         # User reward code becomes an importable module inside the run directory; the trainer's

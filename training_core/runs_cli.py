@@ -14,10 +14,10 @@ import time
 from typing import Any
 
 import httpx
-import yaml
 from tqdm import tqdm
 
-from training_core.config import _deep_merge, parse_overrides, parse_scalar
+from training_core import metric_names as M
+from training_core.config import SpecError, parse_scalar, spec_data
 from training_core.http import WebClient
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -27,35 +27,58 @@ class ApiError(RuntimeError):
     pass
 
 
-def _client(args: argparse.Namespace) -> httpx.Client:
+class Api:
+    """The server's REST API as the CLI calls it, over the web app's client (training_core.http):
+    reads are retried by the shared policy (connection errors, 5xx), writes are sent once; an
+    error answer raises :class:`ApiError` with the server's message and each field's reason."""
+
+    def __init__(self, web: WebClient):
+        self.web = web
+
+    def get(self, path: str, **kw: Any) -> Any:
+        return self._call("GET", path, retry=True, **kw)
+
+    def post(self, path: str, **kw: Any) -> Any:
+        return self._call("POST", path, retry=False, **kw)
+
+    def _call(self, method: str, path: str, *, retry: bool, **kw: Any) -> Any:
+        try:
+            resp = self.web.request(method, path, retry=retry, **kw)
+        except httpx.HTTPStatusError as exc:
+            raise ApiError(_error_message(exc.response)) from None
+        return resp.json() if resp.content else {}
+
+    def __enter__(self) -> Api:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.web.close()
+
+
+def _client(args: argparse.Namespace) -> Api:
     url = args.url or os.environ.get("OOLONG_URL", "http://127.0.0.1:8000")
     token = args.token or os.environ.get("OOLONG_TOKEN")
     if not token:
         raise ApiError("no API token: pass --token or set OOLONG_TOKEN")
-    return WebClient.for_user(url, token, timeout_s=60).http
+    return Api(WebClient.for_user(url, token, timeout_s=60))
 
 
-def _check(resp: httpx.Response) -> Any:
-    if resp.status_code >= 400:
-        try:
-            body = resp.json()
-            lines = [f"  {e.get('field') or '-'}: {e['message']}" for e in body.get("errors", [])]
-            raise ApiError(f"{resp.status_code}: {body.get('message')}\n" + "\n".join(lines))
-        except ValueError:
-            raise ApiError(f"{resp.status_code}: {resp.text[:300]}") from None
-    return resp.json()
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+        lines = [f"  {e.get('field') or '-'}: {e['message']}" for e in body.get("errors", [])]
+        return f"{resp.status_code}: {body.get('message')}\n" + "\n".join(lines)
+    except (ValueError, AttributeError, KeyError, TypeError):
+        return f"{resp.status_code}: {resp.text[:300]}"
 
 
 def cmd_create(args: argparse.Namespace) -> int:
-    spec: dict[str, Any] = {}
-    if args.config:
-        spec = yaml.safe_load(open(args.config)) or {}
-    spec = _deep_merge(spec, parse_overrides(args.overrides))
+    spec = spec_data(args.config, args.overrides)
     with _client(args) as http:
-        run = _check(http.post("/api/runs/", json={
+        run = http.post("/api/runs/", json={
             "project": args.project, "name": args.name or spec.get("name", "run"),
             "dataset_version": args.dataset_version, "reward_version": args.reward_version,
-            "spec": spec}))
+            "spec": spec})
     print(f"created run {run['id']} ({run['status']})")
     if args.watch:
         args.run_id = run["id"]
@@ -66,25 +89,25 @@ def cmd_create(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     params = {k: v for k, v in {"status": args.status, "project": args.project}.items() if v}
     with _client(args) as http:
-        page = _check(http.get("/api/runs/", params={**params, "limit": args.limit}))
+        page = http.get("/api/runs/", params={**params, "limit": args.limit})
     print(f"{'id':>5}  {'status':<12} {'name':<30} created")
     for r in page["results"]:
         print(f"{r['id']:>5}  {r['status']:<12} {r['name'][:30]:<30} {r['created_at'][:19]}")
     return 0
 
 
-def watch_run(http: httpx.Client, run_id: int, *, interval: float = 2.0) -> dict:
+def watch_run(http: Api, run_id: int, *, interval: float = 2.0) -> dict:
     """A progress bar read from the tracker until the run ends; its events print above it."""
-    run = _check(http.get(f"/api/runs/{run_id}/"))
+    run = http.get(f"/api/runs/{run_id}/")
     bar = tqdm(total=run["spec"]["trainer"]["steps"], desc=f"run {run['id']} {run['name']}",
                unit="step", dynamic_ncols=True)
     last_event = 0
     while True:
-        for e in _check(http.get(f"/api/runs/{run_id}/events/", params={"after": last_event})):
+        for e in http.get(f"/api/runs/{run_id}/events/", params={"after": last_event}):
             last_event = e["id"]
             if e["kind"] != "trainer_log":
                 bar.write(f"    [{e['time'][11:19]}] {e['kind']}: {e['message'].splitlines()[0][:120]}")
-        run = _check(http.get(f"/api/runs/{run_id}/"))
+        run = http.get(f"/api/runs/{run_id}/")
         m = run["latest_metrics"]
         bar.update(max(0, int(m.get("version", 0)) - bar.n))
         bar.set_postfix(status=run["status"], reward=f"{m.get('reward/mean', float('nan')):.3f}",
@@ -105,22 +128,22 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     with _client(args) as http:
-        run = _check(http.post(f"/api/runs/{args.run_id}/cancel/"))
+        run = http.post(f"/api/runs/{args.run_id}/cancel/")
     print(f"run {run['id']}: {run['status']} (cancel requested)")
     return 0
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
     with _client(args) as http:
-        run = _check(http.post(f"/api/runs/{args.run_id}/resume/"))
+        run = http.post(f"/api/runs/{args.run_id}/resume/")
     print(f"run {run['id']}: {run['status']} (resuming from the latest checkpoint)")
     return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     with _client(args) as http:
-        body = _check(http.get("/api/runs/compare/", params={"ids": ",".join(map(str, args.run_ids)),
-                                                             "keys": ",".join(args.keys)}))
+        body = http.get("/api/runs/compare/", params={"ids": ",".join(map(str, args.run_ids)),
+                                                             "keys": ",".join(args.keys)})
     names = [f"#{r['id']} {r['name']}"[:24] for r in body["runs"]]
     print(f"{'':<34}" + "".join(f"{n:<26}" for n in names))
     for key in args.keys:
@@ -149,18 +172,17 @@ def cmd_sweep_create(args: argparse.Namespace) -> int:
     with _client(args) as http:
         if args.from_run:
             body: dict[str, Any] = {"axes": axes, **({"name": args.name} if args.name else {})}
-            sweep = _check(http.post(f"/api/runs/{args.from_run}/sweep/", json=body))
+            sweep = http.post(f"/api/runs/{args.from_run}/sweep/", json=body)
         else:
             missing = [f"--{n.replace('_', '-')}" for n in ("project", "dataset_version", "reward_version")
                        if getattr(args, n) is None]
             if missing:
                 raise ApiError(f"give {', '.join(missing)} (or --from-run RUN_ID)")
-            spec: dict[str, Any] = (yaml.safe_load(open(args.config)) or {}) if args.config else {}
-            spec = _deep_merge(spec, parse_overrides(args.overrides))
-            sweep = _check(http.post("/api/sweeps/", json={
+            spec = spec_data(args.config, args.overrides)
+            sweep = http.post("/api/sweeps/", json={
                 "project": args.project, "name": args.name or spec.get("name", "sweep"),
                 "dataset_version": args.dataset_version, "reward_version": args.reward_version,
-                "spec": spec, "axes": axes, "share_warm_start": not args.separate_warm_starts}))
+                "spec": spec, "axes": axes, "share_warm_start": not args.separate_warm_starts})
     print(f"created sweep {sweep['id']} ({len(sweep['runs'])} runs):")
     for run in sweep["runs"]:
         print(f"  run {run['id']:>5}  {run['name']}")
@@ -170,7 +192,7 @@ def cmd_sweep_create(args: argparse.Namespace) -> int:
 def cmd_sweep_list(args: argparse.Namespace) -> int:
     params = {"project": args.project} if args.project else {}
     with _client(args) as http:
-        page = _check(http.get("/api/sweeps/", params={**params, "limit": args.limit}))
+        page = http.get("/api/sweeps/", params={**params, "limit": args.limit})
     print(f"{'id':>5}  {'name':<30} varies")
     for s in page["results"]:
         varies = "; ".join(f"{a['field']}={','.join(map(str, a['values']))}" for a in s["axes"])
@@ -180,7 +202,7 @@ def cmd_sweep_list(args: argparse.Namespace) -> int:
 
 def cmd_sweep_show(args: argparse.Namespace) -> int:
     with _client(args) as http:
-        sweep = _check(http.get(f"/api/sweeps/{args.sweep_id}/"))
+        sweep = http.get(f"/api/sweeps/{args.sweep_id}/")
     fields = [a["field"] for a in sweep["axes"]]
     print(f"sweep {sweep['id']} {sweep['name']}")
     print(f"{'run':>5}  {'status':<12} " + "".join(f"{f:<26}" for f in fields))
@@ -222,7 +244,7 @@ def print_summary(body: dict) -> None:
 def cmd_sweep_compare(args: argparse.Namespace) -> int:
     params = {"target": args.target} if args.target is not None else {}
     with _client(args) as http:
-        body = _check(http.get(f"/api/sweeps/{args.sweep_id}/compare/", params=params))
+        body = http.get(f"/api/sweeps/{args.sweep_id}/compare/", params=params)
     print(f"sweep {body['sweep']['id']} {body['sweep']['name']}")
     print_summary(body)
     return 0
@@ -293,13 +315,14 @@ def add_runs_parser(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(fn=cmd_resume)
     cmp_ = rs.add_parser("compare")
     cmp_.add_argument("run_ids", type=int, nargs="+")
-    cmp_.add_argument("--keys", nargs="+", default=["reward/mean", "eval/accuracy", "staleness/mean"])
+    cmp_.add_argument("--keys", nargs="+",
+                      default=[M.REWARD_MEAN, M.EVAL_ACCURACY, M.STALENESS_MEAN])
     cmp_.set_defaults(fn=cmd_compare)
 
 
 def run_command(fn, args: argparse.Namespace) -> int:
     try:
         return fn(args)
-    except (ApiError, httpx.HTTPError) as exc:
+    except (ApiError, SpecError, httpx.HTTPError) as exc:  # a bad spec file is named, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2

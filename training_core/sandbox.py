@@ -1,74 +1,75 @@
-"""The jail for reward code: every reward is scored inside it, built-in or the user's, wherever it
-runs (validation in a worker, the trainer's reward pool, remote reward workers).
+"""The reward worker: every reward is scored inside the jail (``training_core.jail``), built-in
+or the user's, wherever it runs (validation in a worker, the trainer's reward pool, remote reward
+workers).
 
-The jail is bubblewrap (``bwrap``; Debian's ``bubblewrap``, works unprivileged):
-- new user (mapped to nobody), PID, network, IPC, UTS and cgroup namespaces, all capabilities
-  dropped: no network at all, and the jail's ``/proc`` shows only its own processes;
-- a read-only view of the Python runtime and installed packages (and ``training_core`` for the
-  built-ins), nothing else of the host: no run directories, no database, no ``/etc``;
-- a private, empty scratch directory as the working directory, a private ``/tmp``;
-- an empty environment (no token, no database URL reaches it);
-- rlimits on address space, file size and (as a backstop) CPU time;
-- ``--die-with-parent`` and the jail's own PID namespace: killing bwrap kills every process in
-  the jail, forked or ``setsid`` children included.
+The jail (see ``training_core/jail/``) is bubblewrap: new PID, network, IPC, UTS and cgroup
+namespaces (no network at all; ``/proc`` shows only the jail's processes); never host root (a
+root caller's jail runs as the system user ``oolong-jail``); ``/proc/sys`` read-only; a seccomp
+filter refusing mounts, new namespaces, ptrace, BPF, keyrings and module loading; a read-only view
+of the Python runtime and installed packages and nothing else of the host; sized tmpfs for
+``/scratch`` (the working directory), ``/tmp`` and ``/dev/shm``; an empty environment; rlimits per
+process and one cgroup per jail bounding memory (tmpfs included), processes and CPU.
 
 A :class:`JailedWorker` is one persistent jailed Python that scores calls one at a time over a
-private line protocol (so many samples cost one start-up). The reward function cannot corrupt the
-protocol: its stdout and stderr go to /dev/null. Each call has a deadline and each answer a size
-cap; a worker that misses either is killed whole and replaced. Nothing the reward code says is
-stored beyond a short, capped error message.
+private line protocol (so many samples cost one start-up). Every request carries a sequence id
+that its reply must echo; a reply with another id, or any byte the worker sends unasked, kills the
+worker (a reward writing to the protocol fd can never shift answers onto later calls). The
+reward's own stdout and stderr go to /dev/null. Each call has a deadline and each answer a size
+cap; a worker that misses either is killed whole and replaced. After every call, any process the
+call left behind in the jail is killed. Nothing the reward says is stored beyond a short, capped
+error message.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import resource
 import select
-import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import training_core
+from training_core.jail import (
+    FILES_DIR,
+    PROTOCOL_PRELUDE,
+    Limits,
+    SandboxUnavailable,
+    bwrap_path,
+    jail_argv,
+    python,
+    spawn,
+)
+from training_core.jail.cgroups import ns_pid
 
+__all__ = ["JailedWorker", "Limits", "SandboxUnavailable", "bwrap_path", "failure_message",
+           "jail_argv", "run_sandboxed"]
 
-class SandboxUnavailable(RuntimeError):
-    """bwrap is missing or refused to start: user code is never run outside the jail."""
+# The jailed side. The protocol goes over a private dup of stdout; the reward's prints go to
+# /dev/null. Each reply echoes its request's id.
+# No socket patching: the network namespace refuses the network, and replacing library classes
+# with functions breaks imports (ssl's `class SSLSocket(socket.socket)`).
+RUNNER = "import errno, json, math, os, sys\n" + PROTOCOL_PRELUDE + r'''
 
-
-@dataclass(frozen=True)
-class Limits:
-    memory_mb: int = 2048  # address space: imports of math-verify / reasoning-gym need ~1 GB
-    file_mb: int = 10
-    cpu_s: int = 3600  # a backstop over the worker's life; each call has its own wall deadline
-    answer_bytes: int = 64 * 1024  # one protocol line; a longer answer kills the worker
-    start_timeout_s: float = 60.0
-
-
-# The jailed side. fd 3 carries the protocol; the reward's own prints go to /dev/null.
-RUNNER = r'''
-import json, math, os, socket, sys
-proto = os.fdopen(os.dup(1), "w", buffering=1)
-
-def _no_network(*a, **k):  # the namespace has no route anyway; this names the cause
-    raise OSError("network access is disabled in the reward sandbox")
-socket.socket = socket.create_connection = _no_network
-null = os.open(os.devnull, os.O_WRONLY)
-os.dup2(null, 1); os.dup2(null, 2)
-sys.stdout = sys.stderr = open(os.devnull, "w")
-
-def say(obj):
-    proto.write(json.dumps(obj) + "\n")
+NO_NETWORK = {errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH}
 
 def short(exc):
-    return f"{type(exc).__name__}: {exc}"[:500]
+    text = f"{type(exc).__name__}: {exc}"[:450]
+    cause = getattr(exc, "reason", exc)  # urllib wraps the socket's error
+    if isinstance(cause, OSError) and (cause.errno in NO_NETWORK
+                                       or type(cause).__name__ == "gaierror"):
+        text += " (the reward jail has no network)"
+    return text
+
+def reap():
+    # Children the call left are killed from outside; their zombies are ours to collect.
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
 
 spec = json.loads(sys.stdin.readline())
 try:
@@ -78,102 +79,92 @@ try:
         fn = resolve_reward(spec["path"], spec["extract"])
         extracted = fn.extracted
     else:
-        sys.path.insert(0, os.getcwd())
+        sys.path.insert(0, "FILES_DIR")
         import user_reward
         fn = getattr(user_reward, spec["entrypoint"])
         extracted = lambda completion: None
 except BaseException as exc:
     say({"error": "import failed: " + short(exc)}); sys.exit(0)
-say({"ready": True})
+say({"ready": True, "pid": os.getpid()})
 for line in sys.stdin:
+    reap()  # what the last call left was killed after its answer
     call = json.loads(line)
     try:
         value = float(fn(call["completion"], call["item"]))
         if math.isnan(value) or math.isinf(value):
             raise ValueError(f"returned {value}")
-        say({"reward": value, "extracted": extracted(call["completion"])})
+        say({"id": call["id"], "reward": value, "extracted": extracted(call["completion"])})
     except BaseException as exc:
-        say({"error": short(exc)})
-'''
-
-
-@functools.cache
-def bwrap_path() -> str:
-    path = shutil.which("bwrap")
-    if path is None:
-        raise SandboxUnavailable("bwrap (Debian's bubblewrap package) is not installed: reward code "
-                                 "runs only inside its jail. Install it: apt-get install bubblewrap")
-    return path
-
-
-def _runtime_paths() -> list[Path]:
-    """What the jailed Python may read: the interpreter, the virtualenv (installed packages) and
-    training_core (the built-in rewards), plus the system libraries."""
-    paths = {Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(),
-             Path(training_core.__file__).resolve().parent}
-    paths |= {Path(p) for p in ("/usr", "/lib", "/lib64", "/bin") if Path(p).exists()}
-    # Nested paths are covered by their parents.
-    return sorted(p for p in paths if not any(q != p and q in p.parents for q in paths))
-
-
-def jail_argv(argv: list[str], scratch: Path) -> list[str]:
-    cmd = [bwrap_path(), "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534",
-           "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--clearenv",
-           "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "OMP_NUM_THREADS", "1",
-           "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "HOME", "/scratch",
-           "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-    for path in _runtime_paths():
-        cmd += ["--ro-bind", str(path), str(path)]
-    # Mounted last, at a path no runtime path lies under (a later mount would hide it).
-    cmd += ["--bind", str(scratch), "/scratch", "--chdir", "/scratch"]
-    return cmd + argv
-
-
-def _python() -> str:
-    # The virtualenv's interpreter: its pyvenv.cfg makes the installed packages importable.
-    return str(Path(sys.prefix) / "bin" / "python")
+        say({"id": call["id"], "error": short(exc)})
+'''.replace("FILES_DIR", FILES_DIR)
 
 
 class JailedWorker:
     """One jailed Python that scores ``(completion, item)`` calls for one reward."""
 
     def __init__(self, reward: dict[str, Any], *, source: str | None = None,
-                 limits: Limits = Limits()):
+                 limits: Limits = Limits(), start_timeout_s: float | None = None):
         self.limits = limits
-        # 0700, the launching user's: the jail's nobody maps to that user, so it can write here
-        # and nobody else on the host can.
-        self._scratch = Path(tempfile.mkdtemp(prefix="oolong-jail-"))
-        (self._scratch / "runner.py").write_text(RUNNER)
-        if source is not None:
-            (self._scratch / "user_reward.py").write_text(source)
         self._buffer = b""
+        self._seq = 0
+        files = {"runner.py": RUNNER}
+        if source is not None:
+            files["user_reward.py"] = source
         reward = {**reward, "package_root": str(Path(training_core.__file__).resolve().parent.parent)}
-        self.proc = subprocess.Popen(
-            jail_argv([_python(), "-I", "runner.py"], self._scratch),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            # Empty even for bwrap: the jail's PID 1 is bwrap's init, and /proc/1/environ is its.
-            env={}, preexec_fn=self._limits, close_fds=True)
-        self._send(reward)
-        status, answer = self._receive(limits.start_timeout_s)
+        self.jail = spawn([python(), "-I", f"{FILES_DIR}/runner.py"], limits=limits, files=files,
+                          # bwrap's own complaints; the runner points the jail's fd 2 at
+                          # /dev/null before any reward code runs, so this is never the reward's.
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.proc = self.jail.proc
+        self._keep: set[int] = set()
+        self.jailed_pid: int | None = None
+        try:
+            self._send(reward)
+            status, answer = self._receive(limits.start_timeout_s if start_timeout_s is None
+                                           else start_timeout_s)
+        except OSError:  # bwrap gone before reading its first line
+            status, answer = "died", None
         if status != "ok" or "ready" not in answer:
-            error = answer.get("error") if isinstance(answer, dict) else answer
+            error = answer.get("error") if isinstance(answer, dict) else None
+            returncode = self.proc.poll()
+            if returncode is None and status == "died":
+                # Its stdout closed as it exited: wait for the exit, or bwrap's reason (on its
+                # stderr) goes unread and a setup error looks like a crash.
+                try:
+                    returncode = self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+            said = self._stderr() if returncode is not None else ""
             self.kill()
-            if status == "died" and not shutil.which("bwrap"):
-                raise SandboxUnavailable("bwrap vanished")
-            raise RuntimeError(f"reward worker did not start: {error or status}")
+            if said.startswith("bwrap:"):
+                raise SandboxUnavailable(f"the jail could not be built: {said}")
+            # The interpreter's own complaint (e.g. a runtime the jail user may not read).
+            raise RuntimeError(f"reward worker did not start: {error or status}"
+                               + (f" ({said[-500:]})" if said and not error else ""))
+        # What stays between calls: bwrap, its init (pid 1 in the jail) and the runner.
+        inner = {1, answer.get("pid", 2)}
+        self._keep = {self.proc.pid} | {p for p in self.jail.cgroup.pids() if ns_pid(p) in inner}
+        self.jailed_pid = next((p for p in self._keep if ns_pid(p) == answer.get("pid")), None)
+        self._clean_up()
 
-    def _limits(self) -> None:
-        os.setsid()  # its own process group: killpg reaches bwrap and the jail
-        mem = self.limits.memory_mb * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (self.limits.file_mb * 2**20,) * 2)
-        resource.setrlimit(resource.RLIMIT_CPU, (self.limits.cpu_s, self.limits.cpu_s + 5))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    def _stderr(self) -> str:
+        """What bwrap wrote before it ended (its setup errors), capped."""
+        assert self.proc.stderr is not None
+        ready, _, _ = select.select([self.proc.stderr.fileno()], [], [], 0.5)
+        return os.read(self.proc.stderr.fileno(), 2000).decode(errors="replace").strip() if ready else ""
 
     def _send(self, obj: Any) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.write((json.dumps(obj) + "\n").encode())
         self.proc.stdin.flush()
+
+    def _unsolicited(self) -> bool:
+        """Bytes the worker sent that nobody asked for (it is between calls)."""
+        assert self.proc.stdout is not None
+        if self._buffer:
+            return True
+        ready, _, _ = select.select([self.proc.stdout.fileno()], [], [], 0)
+        return bool(ready)
 
     def _receive(self, timeout_s: float) -> tuple[str, Any]:
         """One answer line: ("ok", dict) | ("timeout", None) | ("overflow", None) | ("died", None)."""
@@ -197,20 +188,33 @@ class JailedWorker:
         if len(line) > self.limits.answer_bytes:
             return "overflow", None
         try:
-            return "ok", json.loads(line)
+            answer = json.loads(line)
         except ValueError:
-            return "died", None
+            return "protocol", None
+        return ("ok", answer) if isinstance(answer, dict) else ("protocol", None)
+
+    def _clean_up(self) -> bool:
+        """Kill whatever the last call left running in the jail; False if that failed."""
+        return self.jail.cgroup.kill_except(self._keep)
 
     def call(self, completion: str, item: dict[str, Any], timeout_s: float) -> tuple[str, Any]:
         """("ok", {"reward", "extracted"} | {"error"}) or a failure status; on a failure the worker
         is dead (killed here) and must be replaced."""
+        if self._unsolicited():
+            self.kill()
+            return "protocol", None
+        self._seq += 1
         try:
-            self._send({"completion": completion, "item": item})
+            self._send({"id": self._seq, "completion": completion, "item": item})
         except (BrokenPipeError, OSError):
             self.kill()
             return "died", None
         status, answer = self._receive(timeout_s)
-        if status != "ok":
+        if status == "ok" and answer.get("id") != self._seq:
+            status, answer = "protocol", None
+        if status == "ok" and not self._clean_up():
+            self.kill()  # a fork bomb outran the kills: the whole jail goes
+        elif status != "ok":
             self.kill()
         return status, answer
 
@@ -223,23 +227,14 @@ class JailedWorker:
         return self.proc.returncode
 
     def kill(self) -> None:
-        """The whole jail: bwrap's process group; the jail's PID namespace takes the rest."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        for stream in (self.proc.stdin, self.proc.stdout):
+        """The whole jail: bwrap's process group and everything in its cgroup."""
+        self.jail.kill()
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if stream is not None:
                 try:
                     stream.close()
                 except OSError:
                     pass
-        shutil.rmtree(self._scratch, ignore_errors=True)
 
 
 def failure_message(status: str, timeout_s: float, limits: Limits,
@@ -253,7 +248,9 @@ def failure_message(status: str, timeout_s: float, limits: Limits,
             return "killed (CPU time or memory limit; the jail was killed)"
     return {"timeout": f"timed out after {timeout_s:g}s (the jail was killed)",
             "overflow": f"answer longer than {limits.answer_bytes} bytes (the jail was killed)",
-            "died": "reward process died (memory, CPU or a crash; the jail was killed)"}[status]
+            "died": "reward process died (memory, CPU or a crash; the jail was killed)",
+            "protocol": "reward process wrote to the reward protocol out of turn (the jail was "
+                        "killed)"}[status]
 
 
 def run_sandboxed(source: str, entrypoint: str, rows: list[dict[str, Any]], *, timeout_s: float = 10.0,
@@ -261,16 +258,22 @@ def run_sandboxed(source: str, entrypoint: str, rows: list[dict[str, Any]], *, t
     """Validation: call ``entrypoint(completion, row)`` for each row (the row's ``completion``,
     else its ``answer``) in one jail. Returns {ok, results: [{reward}|{error}], error,
     network_isolated, elapsed_s, limits}; the whole run shares one deadline."""
-    limits = Limits(memory_mb=memory_mb or Limits.memory_mb, cpu_s=cpu_s or Limits.cpu_s)
+    memory = memory_mb or Limits.memory_mb
+    limits = Limits(memory_mb=memory, jail_memory_mb=max(memory, Limits.jail_memory_mb),
+                    cpu_s=cpu_s or Limits.cpu_s)
     report: dict[str, Any] = {"ok": False, "results": [], "error": None, "network_isolated": True,
                               "limits": {"timeout_s": timeout_s, "memory_mb": limits.memory_mb,
                                          "cpu_s": limits.cpu_s}}
     start = time.monotonic()
     try:
+        # Start-up (the module's imports) counts against the same deadline as the calls.
         worker = JailedWorker({"kind": "source", "entrypoint": entrypoint}, source=source,
-                              limits=limits)
+                              limits=limits, start_timeout_s=timeout_s)
     except RuntimeError as exc:
-        report["error"] = str(exc).removeprefix("reward worker did not start: ")
+        error = str(exc).removeprefix("reward worker did not start: ")
+        report["error"] = (f"timed out after {timeout_s:g}s while importing the module (start-up "
+                           "counts against the deadline; the jail was killed)"
+                           if error == "timeout" else error)
         report["elapsed_s"] = time.monotonic() - start
         return report
     try:
@@ -281,7 +284,7 @@ def run_sandboxed(source: str, entrypoint: str, rows: list[dict[str, Any]], *, t
             if status != "ok":
                 report["error"] = failure_message(status, timeout_s, limits, worker.returncode)
                 break
-            report["results"].append({k: v for k, v in answer.items() if k != "extracted"})
+            report["results"].append({k: v for k, v in answer.items() if k not in ("extracted", "id")})
     finally:
         worker.kill()
     report["elapsed_s"] = time.monotonic() - start

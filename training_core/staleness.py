@@ -22,7 +22,6 @@ control keeps the typical lag low; the consume-time check makes the bound hold a
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,7 +38,9 @@ class StalenessStats:
 
 
 class StalenessManager:
-    """Thread-safe counters with callbacks. No model, no I/O: unit-testable in isolation."""
+    """Thread-safe counters. The executor calls ``on_submitted`` / ``on_accepted`` /
+    ``on_rejected`` as episodes start and end and ``recover`` on resume; ``capacity`` is the
+    admission rule. No model, no I/O: unit-testable in isolation."""
 
     def __init__(self, *, batch_groups: int, max_staleness: int, max_concurrent: int):
         if batch_groups < 1 or max_concurrent < 1 or max_staleness < 0:
@@ -52,15 +53,6 @@ class StalenessManager:
         self._accepted = 0
         self._rejected = 0
         self._running = 0
-        self._listeners: list[Callable[[str], None]] = []
-
-    def add_listener(self, fn: Callable[[str], None]) -> None:
-        """``fn(event)`` is called after each of submitted/accepted/rejected/recovered."""
-        self._listeners.append(fn)
-
-    def _emit(self, event: str) -> None:
-        for fn in self._listeners:
-            fn(event)
 
     def capacity(self, version: int) -> int:
         with self._lock:
@@ -74,13 +66,11 @@ class StalenessManager:
         with self._lock:
             self._submitted += 1
             self._running += 1
-        self._emit("submitted")
 
     def on_accepted(self) -> None:
         with self._lock:
             self._running -= 1
             self._accepted += 1
-        self._emit("accepted")
 
     def on_rejected(self) -> None:
         # A rejected episode (workflow returned None, dynamic filter) frees its slot and does
@@ -88,14 +78,12 @@ class StalenessManager:
         with self._lock:
             self._running -= 1
             self._rejected += 1
-        self._emit("rejected")
 
     def recover(self, version: int) -> None:
         """On resume at version v, v*B groups have been consumed: restore that as accepted."""
         with self._lock:
             self._accepted = version * self.batch_groups
             self._running = 0
-        self._emit("recovered")
 
     def stats(self) -> StalenessStats:
         with self._lock:
@@ -109,10 +97,11 @@ def rows_needing_proximal(versions: torch.Tensor, loss_mask: torch.Tensor, versi
     The proximal policy of the decoupled objective is the trainer's policy right before the
     update, version ``version``. A row whose every generated token came from that same version
     was sampled from the proximal policy itself: its behaviour logprobs *are* its proximal
-    logprobs (up to the float difference between the server's and the trainer's forward, ~1e-6
-    for the embedded server, which runs in the trainer's dtype). Only rows with a token from an
-    older version need the forward (``mode='stale'``); ``'always'`` recomputes every row,
-    ``'never'`` none."""
+    logprobs, up to the float difference between the server's and the trainer's forward: ~1e-6
+    for the embedded engine in fp32, far more for a bf16 or SGLang server, which is why
+    ``trainer.recompute_proximal: auto`` resolves to ``'stale'`` only for the former
+    (``RunSpec.recompute_proximal_mode``). Only rows with a token from an older version need the
+    forward (``mode='stale'``); ``'always'`` recomputes every row, ``'never'`` none."""
     if mode == "never":
         return []
     if mode == "always":

@@ -4,7 +4,9 @@ Two steps, split because they run at different moments of the loop (train.py):
 
 1. ``export(trainer, version)`` right after the update, on every trainer rank (under ZeRO-3 the
    full weights are a gather all ranks join), while generation keeps running.
-2. ``push(client, version)`` on rank 0 only, while the servers are paused.
+2. ``push(client, version)`` on rank 0 only, while the servers are paused: always through
+   :func:`push_weights`, the one place that pauses generation, pushes, advances the policy
+   version (its owner: training_core.version) and resumes.
 
 ``disk``: export writes safetensors under the run directory, push is SGLang's
 ``/update_weights_from_disk`` with its path. Needs a filesystem the servers share with the trainer.
@@ -23,19 +25,21 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import shutil
 import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 from urllib.parse import urlparse
 
 import torch
 
-from training_core.checkpoint import pushed_weights
-from training_core.engines.rollout_client import RolloutClient, RolloutServerError
+from training_core.api import TrainEngine, WeightReceiver
+from training_core.checkpoint import CURRENT_WEIGHTS, pushed_weights
+from training_core.engines.rollout_client import RolloutServerError
 from training_core.engines.weight_group import (
     DEFAULT_GROUP_NAME,
     backend_for,
@@ -45,9 +49,7 @@ from training_core.engines.weight_group import (
     init_weight_update_group,
 )
 from training_core.launch import free_port
-
-if TYPE_CHECKING:
-    from training_core.engines.deepspeed_trainer import DeepSpeedTrainer
+from training_core.version import PolicyVersion
 
 BUCKET_BYTES = 1 << 30  # per /update_weights_from_distributed call: bounds a server's staging
 # A node announces the address other nodes reach it at (set by the node's worker); otherwise the
@@ -56,10 +58,27 @@ NODE_ADDRESS_ENV = "OOLONG_NODE_ADDRESS"
 
 
 class WeightSync(Protocol):
-    def export(self, trainer: DeepSpeedTrainer, version: int) -> None: ...
-    async def connect(self, client: RolloutClient) -> None: ...
-    async def push(self, client: RolloutClient, version: int) -> None: ...
-    async def close(self, client: RolloutClient) -> None: ...
+    def export(self, trainer: TrainEngine, version: int) -> None: ...
+    async def connect(self, client: WeightReceiver) -> None: ...
+    async def push(self, client: WeightReceiver, version: int) -> None: ...
+    async def close(self, client: WeightReceiver) -> None: ...
+
+
+async def push_weights(client: WeightReceiver, sync: WeightSync, policy: PolicyVersion, *,
+                       advance: bool = True) -> int:
+    """Pause generation, push the exported weights of the next version, advance the version,
+    resume; returns the version the servers now hold. Generation is paused for the transfer
+    only: in-flight requests abort and the client re-submits them with their partial output
+    once it resumes. ``advance=False`` brings the servers to the current version (a resume)."""
+    version = policy.current + (1 if advance else 0)
+    await client.pause()
+    try:
+        await sync.push(client, version)
+        if advance:
+            policy.advance()
+    finally:
+        await client.resume()
+    return version
 
 
 def make_weight_sync(kind: str, run_dir: Path) -> WeightSync:
@@ -77,20 +96,24 @@ class DiskSync:
     def path(self, version: int) -> Path:
         return self.root / f"v{version}"
 
-    def export(self, trainer: DeepSpeedTrainer, version: int) -> None:
+    def export(self, trainer: TrainEngine, version: int) -> None:
         trainer.save_weights(self.path(version))
 
-    async def connect(self, client: RolloutClient) -> None:
+    async def connect(self, client: WeightReceiver) -> None:
         return None
 
-    async def push(self, client: RolloutClient, version: int) -> None:
-        await client.update_weights_from_disk(str(self.path(version).resolve()), version)
+    async def push(self, client: WeightReceiver, version: int) -> None:
+        path = self.path(version).resolve()
+        await client.update_weights_from_disk(str(path), version)
+        tmp = self.root / f".{CURRENT_WEIGHTS}.tmp"  # written whole, then renamed: never half a record
+        tmp.write_text(json.dumps({"version": version, "path": str(path)}))
+        os.replace(tmp, self.root / CURRENT_WEIGHTS)
         # Keep the live version and the one before (a server may still be reading it).
         for v, d in pushed_weights(self.root.parent):
             if v < version - 1:
                 shutil.rmtree(d, ignore_errors=True)
 
-    async def close(self, client: RolloutClient) -> None:
+    async def close(self, client: WeightReceiver) -> None:
         return None
 
 
@@ -116,7 +139,7 @@ class DistributedSync:
         self._version: int | None = None
         self._bracket: bool | None = None  # does the server have /begin_weight_update?
 
-    def export(self, trainer: DeepSpeedTrainer, version: int) -> None:
+    def export(self, trainer: TrainEngine, version: int) -> None:
         """Every rank (a collective under ZeRO-3); rank 0 keeps the bucketed weights. The flat
         copies are made here, while generation still runs, not in the pause."""
         from training_core.engines.deepspeed_trainer import rank_and_world
@@ -140,14 +163,14 @@ class DistributedSync:
             return self._buckets[0].tensors[0].device
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    async def connect(self, client: RolloutClient) -> None:
+    async def connect(self, client: WeightReceiver) -> None:
         """Build the group: the servers' joins and rank 0's own, concurrently (each blocks until
         every rank is in). Call again after a server restarts (it lost its membership)."""
         await self.close(client)
         tp = await client.tp_sizes()
         offsets = [1 + sum(tp[:i]) for i in range(len(tp))]
         world = 1 + sum(tp)
-        address = node_address(client.servers[0].url)
+        address = node_address(client.urls[0])
         port = free_port()
         backend = backend_for(self.device)
         own = _ThreadResult(functools.partial(
@@ -160,7 +183,7 @@ class DistributedSync:
         await _both(joins, own, "init_weights_update_group")
         self.group = own.result()
 
-    async def push(self, client: RolloutClient, version: int) -> None:
+    async def push(self, client: WeightReceiver, version: int) -> None:
         if self.group is None:
             raise RolloutServerError("weight_sync distributed: no weight update group (connect)")
         if self._version != version:
@@ -188,7 +211,7 @@ class DistributedSync:
             await client.weight_update_bracket("/end_weight_update")
         self._buckets = []
 
-    async def close(self, client: RolloutClient) -> None:
+    async def close(self, client: WeightReceiver) -> None:
         if self.group is None:
             return
         await client.destroy_weights_update_group(self.group_name)

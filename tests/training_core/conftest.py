@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -42,3 +43,17 @@ def generate(url: str, input_ids, **sampling) -> dict:
                                               "return_logprob": True}, timeout=120)
     resp.raise_for_status()
     return resp.json()
+
+
+def run_episode(server: str, workflow, item: dict):
+    """One episode of ``workflow`` against a real server, on a client of its own."""
+    from training_core.engines.rollout_client import RolloutClient
+
+    async def go():
+        client = RolloutClient([server])
+        try:
+            return await workflow.arun_episode(client, item)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())

@@ -173,7 +173,7 @@ def test_trainer_borrows_the_servers_threads_only_while_they_idle(monkeypatch):
     from types import SimpleNamespace
 
     from training_core.config import load_spec
-    from training_core.train import ThreadShare
+    from training_core.thread_share import ThreadShare
 
     spec = load_spec(None, ["model.path=tiny", "trainer.threads=1", "rollout.server_threads=1"])
     fleet = SimpleNamespace(urls=["http://127.0.0.1:1", "http://127.0.0.1:2"])
@@ -284,3 +284,39 @@ def test_skipping_rows_without_gradient_gives_the_same_update(tiny_model_dir, mi
     assert off <= total * 1e-4, f"{off} of {total} weights differ"
     if minibatches == 3:  # chunks [0, 3], [1, 4], [2, 5]: the second has no gradient
         assert skipped[0]["computed_rows"] == 1 + 1 + 2
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_bf16_autocasts_over_fp32_master_weights(tiny_model_dir, zero_stage):
+    """``model.dtype: bfloat16``: weights and optimizer stay fp32 (an update far below bf16's
+    resolution still lands), forwards run in bf16 (logprobs differ from fp32's, slightly), and
+    the proximal pass and the update compute the same numbers (the first ratio is exactly 1)."""
+    lr = 1e-6  # Adam moves each weight by ~lr: 1/1000 of bf16's step near 0.1
+    bf16 = DeepSpeedTrainer(tiny_model_dir, lr=lr, weight_decay=0.0, grad_clip=10.0,
+                            zero_stage=zero_stage, dtype="bfloat16", micro_batch_tokens=1000)
+    fp32 = DeepSpeedTrainer(tiny_model_dir, lr=lr, weight_decay=0.0, grad_clip=10.0,
+                            zero_stage=zero_stage, micro_batch_tokens=1000)
+    b = _batch()
+    before = {k: v.clone() for k, v in bf16.weights().items()}
+    assert all(v.dtype == torch.float32 for v in before.values())
+    prox = bf16.logprobs(b)
+    gap = (prox - fp32.logprobs(b))[b.loss_mask.bool()].abs().max()
+    assert 0 < gap < 0.05, f"bf16 autocast logprobs off fp32 by {gap}"
+    seen = []
+
+    def recording_loss(logp, prox_logp, *args, **kwargs):
+        if not seen:
+            seen.append(((logp - prox_logp) * args[2]).detach().abs().max().item())
+        return decoupled_ppo_loss(logp, prox_logp, *args, cfg=PRESETS["grpo"], **kwargs)
+
+    bf16.train_step(b, prox, recording_loss)
+    assert seen == [0.0]
+    after = bf16.weights()
+    moved = [(after[k] - before[k]).abs().max().item() for k in before]
+    assert max(moved) > 0.5 * lr
+    # Held in bf16, most of that update would have rounded away.
+    w0 = torch.cat([before[k].flatten() for k in before])
+    w1 = torch.cat([after[k].flatten() for k in before])
+    big = w0.abs() > 1e-2
+    assert (w1 != w0)[big].float().mean() > 0.9
+    assert (w1.bfloat16() == w0.bfloat16())[big].float().mean() > 0.9

@@ -347,3 +347,31 @@ def test_a_server_whose_engine_cannot_start_exits_and_says_why(tmp_path):
                               stderr=subprocess.STDOUT, timeout=120)
     assert proc.returncode != 0
     assert "the engine failed to start" in log.read_text()
+
+
+def test_the_server_runs_in_the_runs_dtype(tiny_model_dir, tmp_path):
+    """``--dtype bfloat16`` (a run's ``model.dtype``): weights and KV cache in bf16, reported by
+    /server_info; its logprobs are an fp32 forward's up to bf16 rounding, not equal to them."""
+    from training_core.launch import embedded_server_command, free_port, server_process
+    from training_core.processes import Fleet
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = server_process("bf16 server", embedded_server_command(
+        str(tiny_model_dir), port, parent_pid=os.getpid(), dtype="bfloat16"), url,
+        tmp_path / "server.log", env={**os.environ, "OMP_NUM_THREADS": "1"}).start()
+    fleet = Fleet(urls=[url], servers=[proc])
+    try:
+        fleet.wait_healthy(120)
+        assert httpx.get(url + "/server_info").json()["dtype"] == "bfloat16"
+        prompt = [20, 21, 22, 23]
+        out = generate(url, prompt, max_new_tokens=12, temperature=1.0, ignore_eos=True)
+    finally:
+        fleet.stop()
+    ids = torch.tensor([prompt + out["output_ids"]])
+    model = load_model(tiny_model_dir).eval()
+    with torch.no_grad():
+        ref = sequence_logprobs(model, ids, torch.ones_like(ids), 1.0)[0, len(prompt):]
+    got = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
+    gap = (got - ref).abs().max()
+    assert 0 < gap < 0.1, f"bf16 logprobs off the fp32 forward by {gap}"

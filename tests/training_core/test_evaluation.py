@@ -46,3 +46,44 @@ def test_offline_evaluation_never_runs_user_reward_code(tiny_model_dir, tmp_path
     spec = load_spec(None, ["reward.fn=tests.training_core.rewards_for_tests:digit_reward"])
     with pytest.raises(ValueError, match="built-in rewards only"):
         evaluate_weights(spec, tiny_model_dir, tmp_path, [{"question": "1", "answer": "1"}])
+
+
+def test_an_eval_row_too_long_for_the_server_is_counted_not_fatal(server, tiny_model_dir):
+    """One eval prompt longer than the model's context: the server refuses that request, the
+    evaluation scores the row 0 and counts it in eval/errors, and the other rows are scored."""
+    import asyncio
+
+    from training_core.api import SamplingParams
+    from training_core.engines.rollout_client import RolloutClient
+    from training_core.evaluation import evaluate
+    from training_core.metric_names import EVAL_ERRORS
+    from training_core.models.loading import load_model
+    from training_core.rewards.pool import RewardPool
+    from training_core.workflows.base import WorkflowContext
+
+    tok = load_tokenizer(tiny_model_dir)
+    context = load_model(tiny_model_dir).config.max_position_embeddings
+    rows = []
+    for i in range(3):  # answers the server really gives greedily: these rows score 1
+        row = {"question": f"{i}+{i}"}
+        out = generate(server, render_prompt(tok, row, TEMPLATE, False), max_new_tokens=4,
+                       temperature=0.0)
+        rows.append({**row, "answer": tok.decode(out["output_ids"], skip_special_tokens=True)})
+    rows.append({"question": "1" * (context + 10), "answer": "2"})
+    ctx = WorkflowContext(tokenizer=tok, rewards=RewardPool("builtin:exact", executor="inline"),
+                          sampling=SamplingParams(max_new_tokens=4), group_size=1,
+                          prompt_template=TEMPLATE)
+
+    async def run():
+        client = RolloutClient([server], timeout_s=60)
+        try:
+            return await evaluate(client, ctx, rows, max_new_tokens=4, errors=errors)
+        finally:
+            await client.aclose()
+
+    errors: list[str] = []
+    metrics = asyncio.run(run())
+    assert metrics[EVAL_ERRORS] == 1.0
+    assert len(errors) == 1 and "shorter input" in errors[0]  # the server's reason, passed on
+    # the failed row counts as wrong: 3 of 4 right, the denominator keeps every row
+    assert metrics["eval/accuracy"] == pytest.approx(3 / 4)

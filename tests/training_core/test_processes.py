@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from training_core.launch import free_port
-from training_core.processes import Fleet, ManagedProcess, stop_all
+from training_core.processes import Fleet, ManagedProcess, process_env, stop_all
 
 # Ignores SIGTERM and starts a grandchild that would outlive a plain kill of the leader.
 STUBBORN = "trap '' TERM; sleep 300 & echo $! > {pidfile}; while true; do sleep 0.1; done"
@@ -111,3 +111,28 @@ def test_an_embedded_fleet_does_not_inherit_secrets(tiny_model_dir, tmp_path, mo
         fleet.stop()
     assert not any(e.startswith(b"DJANGO_SECRET_KEY=") for e in environ)
     assert any(e.startswith(b"PATH=") for e in environ)
+
+
+def test_ports_come_from_the_nodes_open_range(monkeypatch):
+    """Cloud nodes open a fixed port range to each other and the control plane; every port a
+    run's process listens on (servers, rendezvous, weight group) is taken from it."""
+    import socket
+
+    monkeypatch.setenv("OOLONG_PORT_RANGE", "41200-41203")
+    held = []
+    try:
+        for _ in range(4):
+            port = free_port()
+            assert 41200 <= port <= 41203 and port not in [h.getsockname()[1] for h in held]
+            s = socket.socket()
+            s.bind(("0.0.0.0", port))
+            held.append(s)
+        with pytest.raises(RuntimeError, match="no free port in OOLONG_PORT_RANGE=41200-41203"):
+            free_port()
+    finally:
+        for s in held:
+            s.close()
+    monkeypatch.setenv("OOLONG_PORT_RANGE", "41200")
+    with pytest.raises(ValueError, match="expected LOW-HIGH"):
+        free_port()
+    assert "OOLONG_PORT_RANGE" in process_env(parent={"OOLONG_PORT_RANGE": "1-2", "SECRET": "x"})

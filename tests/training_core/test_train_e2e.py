@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from tests.training_core.conftest import start_server
+from training_core import metric_names
 from training_core.config import load_spec
 from training_core.metrics import read_metrics
 
@@ -91,6 +92,15 @@ def test_async_steps_versions_staleness_and_weights_reach_the_server(tiny_model_
     assert batches and all(1 <= b <= 32 for b in batches)  # 8 groups of 4 (idle intervals: none)
     assert all(r["proximal/recomputed_frac"] == 0 for r in steps)  # one minibatch: own forward
     assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]
+    # Every name the run wrote is declared (training_core.metric_names), so what the charts and
+    # the header read (tests/unit/test_metric_names.py) is what a run produces; and the names
+    # every step carries whatever the run are all there.
+    written = {k for r in rows for k in r} - metric_names.LINE_FIELDS
+    assert written <= metric_names.DECLARED, sorted(written - metric_names.DECLARED)
+    always = {metric_names.REWARD_MEAN, metric_names.STALENESS_MEAN, metric_names.TOKENS_PER_S,
+              metric_names.LOSS, metric_names.VERSION, metric_names.WEIGHT_SYNC_PAUSE_S,
+              metric_names.REWARD_ERROR_FRAC, *metric_names.MISMATCH.ALL}
+    assert all(always <= r.keys() for r in steps), sorted(always - steps[-1].keys())
     # The last weights reached the server, tagged with their version.
     assert info["weight_version"] == "4"
     assert Path(info["model_path"]).name == "v4"

@@ -1,4 +1,5 @@
-"""train.py's helpers that talk to servers: the rollout side of the per-step profile."""
+"""The rollout side of the per-step profile, against real HTTP servers, through the rollout
+client's transport."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from training_core.train import RolloutProfile
+from training_core.engines.rollout_client import RolloutClient
+from training_core.rollout_profile import RolloutProfile
 
 
 def _serve(payloads: list[dict], answer_after: threading.Event | None = None
@@ -42,7 +44,7 @@ def test_profile_reads_embedded_counters_and_stops_asking_other_servers():
     sglang, sglang_calls = _serve([{"version": "0.5.4", "#queue-req": 0}])  # no counters
     try:
         urls = [f"http://127.0.0.1:{s.server_port}" for s in (embedded, sglang)]
-        profile = RolloutProfile(urls)
+        profile = RolloutProfile(RolloutClient(urls))
         assert profile.sample() == {}  # starts the baseline measurement
         profile._pending.result(timeout=30)  # a step's time passes
         assert profile.sample() == {}  # the baseline read; the next measurement started
@@ -54,6 +56,7 @@ def test_profile_reads_embedded_counters_and_stops_asking_other_servers():
         assert out["rollout/tokens_per_s_per_server"] > 0
         assert sglang_calls[0] == 1 and profile.urls == urls[:1]  # asked once, then dropped
     finally:
+        profile.close()
         embedded.shutdown()
         sglang.shutdown()
 
@@ -63,7 +66,7 @@ def test_profile_never_makes_a_step_wait_for_a_slow_server():
     answered = threading.Event()
 
     server, _ = _serve([{"busy_s": 1.0, "tokens_generated": 1, "steps": 1}], answered)
-    profile = RolloutProfile([f"http://127.0.0.1:{server.server_port}"])
+    profile = RolloutProfile(RolloutClient([f"http://127.0.0.1:{server.server_port}"]))
     try:
         # The server has not answered: each step gets nothing instead of waiting for it.
         assert [profile.sample() for _ in range(3)] == [{}, {}, {}]

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from tests.training_core.conftest import start_server
+from tests.training_core.scripted_http import ScriptedServer
 from tests.training_core.sglang_contract import check_request
 from training_core.engines.rollout_client import RolloutClient, RolloutServerError
-from training_core.weight_sync import DistributedSync
+from training_core.version import PolicyVersion
+from training_core.weight_sync import DistributedSync, push_weights
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +46,11 @@ def _server_weights(url: str, names: list[str]) -> dict[str, torch.Tensor]:
 
 
 async def _sync(urls: list[str], sync: DistributedSync, version: int) -> None:
-    client = RolloutClient(urls)
+    policy = PolicyVersion(version - 1)  # a trainer about to push ``version``
+    client = RolloutClient(urls, version=policy)
     try:
         await sync.connect(client)
-        await client.pause()
-        try:
-            await sync.push(client, version)
-        finally:
-            await client.resume()
+        assert await push_weights(client, sync, policy) == version == policy.current
         await sync.close(client)
     finally:
         await client.aclose()
@@ -120,7 +119,7 @@ def test_weight_update_requests_match_sglangs_request_models(trainer):
     sync = DistributedSync()
 
     async def go():
-        client = RolloutClient(["http://a:1", "http://b:1"], transport=httpx.MockTransport(handler))
+        client = RolloutClient(["http://a:1", "http://b:1"], connect=ScriptedServer(handler))
         # The trainer's own join would wait for ranks that do not exist: record the HTTP side.
         await client.init_weights_update_group(
             master_address="127.0.0.1", master_port=1234, rank_offsets=[1, 3], world_size=5,
@@ -150,17 +149,14 @@ def test_a_restarted_server_gets_the_group_rebuilt_and_the_current_weights(
     fleets = [start_server(tiny_model_dir, tmp_path / f"s{i}.log", seed=i) for i in range(2)]
     urls = [url for _, url in fleets]
     sync = DistributedSync()
+    policy = PolicyVersion()
 
     async def push(client, version):
         sync.export(trainer, version)
-        await client.pause()
-        try:
-            await sync.push(client, version)
-        finally:
-            await client.resume()
+        assert await push_weights(client, sync, policy) == version
 
     async def go():
-        client = RolloutClient(urls)
+        client = RolloutClient(urls, version=policy)
         try:
             await sync.connect(client)
             await push(client, 1)

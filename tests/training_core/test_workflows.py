@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from tests.training_core.conftest import run_episode
 from training_core.api import PROMPT_VERSION, SamplingParams
-from training_core.engines.rollout_client import RolloutClient
 from training_core.models.loading import load_tokenizer
 from training_core.rewards.pool import RewardPool
 from training_core.workflows import load_workflow
@@ -21,20 +21,9 @@ def _ctx(tiny_model_dir, fn, **kw):
                            group_size=3, **kw)
 
 
-def _run(server, workflow, item):
-    async def go():
-        client = RolloutClient([server])
-        try:
-            return await workflow.arun_episode(client, item)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(go())
-
-
 def test_rlvr_group_has_consistent_tensors(server, tiny_model_dir):
     ctx = _ctx(tiny_model_dir, "tests.training_core.rewards_for_tests:length_reward")
-    group = _run(server, load_workflow("rlvr", ctx), {"question": "1+2=", "answer": "3"})
+    group = run_episode(server, load_workflow("rlvr", ctx), {"question": "1+2=", "answer": "3"})
     assert len(group.samples) == 3
     for s in group.samples:
         n_prompt = len(ctx.render_prompt({"question": "1+2="}))
@@ -46,7 +35,7 @@ def test_rlvr_group_has_consistent_tensors(server, tiny_model_dir):
 
 def test_multi_turn_masks_feedback_and_discounts(server, tiny_model_dir):
     ctx = _ctx(tiny_model_dir, "builtin:exact", max_turns=3, turn_discount=0.5)
-    group = _run(server, load_workflow("multi_turn", ctx), {"question": "1+2=", "answer": "no way"})
+    group = run_episode(server, load_workflow("multi_turn", ctx), {"question": "1+2=", "answer": "no way"})
     feedback = ctx.tokenizer.encode(" Wrong, try again: ", add_special_tokens=False)
     for s in group.samples:
         assert s.info["turns"] == 3 and s.reward == 0.0
@@ -54,8 +43,6 @@ def test_multi_turn_masks_feedback_and_discounts(server, tiny_model_dir):
         # Feedback tokens sit in the trajectory but are not trained on.
         masked = [t for t, m in zip(s.input_ids, s.loss_mask, strict=True) if not m]
         assert masked[-len(feedback):] == feedback
-
-
 
 
 class _ScriptedEngine:
@@ -81,3 +68,20 @@ def test_multi_turn_reward_is_discounted_by_the_turn_it_succeeds(tiny_model_dir)
     engine = _ScriptedEngine(ctx.tokenizer, ["3"])
     group = asyncio.run(wf.arun_episode(engine, {"question": "1+2=", "answer": "3"}))
     assert group.samples[0].reward == 1.0 and group.samples[0].info["turns"] == 1
+
+
+def test_multi_turn_counts_a_turn_whose_reward_failed(tiny_model_dir):
+    # The run's reward/error_frac and its failing-rewards rule read info["reward_error"].
+    ctx = _ctx(tiny_model_dir, "tests.training_core.rewards_failing:fails_every_third",
+               max_turns=3, turn_discount=1.0)
+    ctx.group_size = 1
+    wf = load_workflow("multi_turn", ctx)
+    try:
+        # Answers without digits score 0, so all three turns are scored: the third call raises.
+        engine = _ScriptedEngine(ctx.tokenizer, ["a", "b", "c"])
+        group = asyncio.run(wf.arun_episode(engine, {"question": "1+2=", "answer": "3"}))
+    finally:
+        ctx.rewards.close()
+    sample = group.samples[0]
+    assert sample.info["turns"] == 3
+    assert "every third sample fails" in sample.info["reward_error"]

@@ -4,7 +4,9 @@ For output token t with advantage A_t:
     r_t = exp(logp_theta - logp_prox)     proximal policy: the policy before this update
     w_t = exp(logp_prox - logp_behav)     behaviour policy: the rollout server's logprobs
     l_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high))
-w_t above ``cap`` is masked (its token dropped) or clipped to the cap. The loss is
+The rollout correction (algorithms/correction.py) decides w_t and which tokens and sequences
+stay: by default w_t above ``behav_weight_cap`` is masked (its token dropped) or clipped to the
+cap (``behav_weight_mode``), as before the correction block existed. The loss is
 sum(l_t) / num_tokens, where ``num_tokens`` is the output-token count of the *global* batch so
 micro-batches add up to a token mean over the whole batch (every preset; see presets.py).
 
@@ -19,10 +21,16 @@ the gradient of KL(pi_theta || pi_ref); the k3 estimator in the loss is unbiased
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from training_core.algorithms.correction import (
+    CorrectionConfig,
+    apply_correction,
+    mismatch_sums,
+)
 from training_core.algorithms.presets import AlgorithmConfig
 
 
@@ -36,6 +44,28 @@ class LossStats:
     behav_weight_max: float
     behav_masked: float
     kl_sum: float
+    # Additive behaviour-proximal statistics (correction.mismatch_sums); empty if not decoupled.
+    mismatch: dict[str, float] = field(default_factory=dict)
+
+
+def resolve_correction(block: Any, cfg: AlgorithmConfig) -> CorrectionConfig:
+    """``algorithm.rollout_correction`` (config.RolloutCorrectionSpec or None) with its unset
+    token fields taken from the preset's behaviour-weight cap."""
+    base = default_correction(cfg)
+    if block is None:
+        return base
+    high = block.token_high if block.token_high is not None else base.token_high
+    seq_low = block.sequence_low if block.sequence_low is not None else 1.0 / block.sequence_high
+    return CorrectionConfig(token_mode=block.token_mode or base.token_mode,
+                            token_low=block.token_low, token_high=high,
+                            sequence_mode=block.sequence_mode, sequence_low=seq_low,
+                            sequence_high=block.sequence_high, opsm_delta=block.opsm_delta)
+
+
+def default_correction(cfg: AlgorithmConfig) -> CorrectionConfig:
+    """The preset's behaviour-weight cap as a correction: mask (MIS) or truncate (TIS) above it."""
+    return CorrectionConfig(token_mode="mask" if cfg.behav_weight_mode == "mask" else "truncate",
+                            token_high=cfg.behav_weight_cap)
 
 
 def decoupled_ppo_loss(
@@ -48,6 +78,7 @@ def decoupled_ppo_loss(
     cfg: AlgorithmConfig,
     num_tokens: float,
     ref_logp: torch.Tensor | None = None,
+    correction: CorrectionConfig | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     mask = mask.to(logp.dtype)
     ratio = torch.exp((logp - prox_logp) * mask)
@@ -57,19 +88,22 @@ def decoupled_ppo_loss(
     per_token = torch.maximum(surr1, surr2)
     clipped = (surr2 > surr1).to(logp.dtype) * mask
 
-    generated = mask  # the token count of the stats: before the behaviour cap masks any
+    generated = mask  # the token count of the stats: before the correction masks any
+    mismatch: dict[str, float] = {}
     if cfg.decoupled:
         with torch.no_grad():
-            w = torch.exp((prox_logp - behav_logp) * mask)
-            over = (w > cfg.behav_weight_cap).to(logp.dtype) * mask
-            if cfg.behav_weight_mode == "mask":
-                mask = mask * (1.0 - over)
-            else:
-                w = w.clamp(max=cfg.behav_weight_cap)
+            fix = apply_correction(prox_logp, behav_logp, logp, advantages, mask,
+                                   correction or default_correction(cfg))
+            mismatch = mismatch_sums(prox_logp, behav_logp, generated, fix)
+            over = generated - fix.keep  # every token a rule removed
+            mask, w = fix.keep, fix.weights
         per_token = per_token * w
     else:
         w = torch.ones_like(logp)
         over = torch.zeros_like(logp)
+        # Plain PPO's old policy is the behaviour policy; the trainer's own forward (before the
+        # step, on the first minibatch) still shows how far the servers are from the trainer.
+        mismatch = mismatch_sums(logp.detach(), behav_logp, mask)
 
     kl_sum = 0.0
     if cfg.kl_coef > 0:
@@ -90,5 +124,6 @@ def decoupled_ppo_loss(
         behav_weight_max=float(wm.max()) if wm.numel() else 0.0,
         behav_masked=float(over.sum()),
         kl_sum=kl_sum,
+        mismatch=mismatch,
     )
     return loss, stats

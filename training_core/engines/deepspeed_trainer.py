@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,15 +61,11 @@ def disable_dropout(model: torch.nn.Module) -> None:
             setattr(model.config, name, 0.0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(backend: str = "auto") -> None:
     import deepspeed
     import torch.distributed as dist
+
+    from training_core.launch import free_port
 
     if dist.is_available() and dist.is_initialized():
         return
@@ -77,7 +73,7 @@ def init_distributed(backend: str = "auto") -> None:
     # rendezvous address we set is removed afterwards: child processes (a trainer started from
     # here) must not inherit a port that this process's store already holds. DeepSpeed reads
     # LOCAL_RANK later, so the ranks stay.
-    defaults = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+    defaults = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
                 "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
     added = [k for k in defaults if k not in os.environ]
     for k in added:
@@ -145,7 +141,13 @@ class DeepSpeedTrainer:
         self.micro_batch_tokens = micro_batch_tokens
         self.zero_stage = zero_stage
         self.share_prefixes = share_prefixes
-        model = load_model(model_dir, dtype).to(self.device)
+        # bfloat16: fp32 master weights and optimizer, matmuls in bf16 under autocast
+        # (DeepSpeed's torch_autocast mode; norms, softmax and the loss stay fp32). Weights held
+        # in bf16 would lose updates smaller than 2^-8 of a weight: Adam's steps at RL learning
+        # rates mostly are. float16 keeps DeepSpeed's fp16 mode (half weights, loss scaling).
+        self.autocast = dtype == "bfloat16"
+        weights_dtype = "float32" if self.autocast else dtype
+        model = load_model(model_dir, weights_dtype).to(self.device)
         model.config.use_cache = False
         # The proximal logprobs are computed in eval mode and the update in train mode: with
         # dropout on, the PPO ratio would not start at 1 (AReaL turns dropout off as well).
@@ -153,7 +155,7 @@ class DeepSpeedTrainer:
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.reference = None
         if keep_reference:  # frozen copy of the initial policy for KL-regularised presets
-            self.reference = load_model(model_dir, dtype).to(self.device).eval()
+            self.reference = load_model(model_dir, weights_dtype).to(self.device).eval()
             disable_dropout(self.reference)
             self.reference.requires_grad_(False)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
@@ -164,7 +166,7 @@ class DeepSpeedTrainer:
             "managed_gradient_accumulation": False,
             "gradient_clipping": grad_clip,
             "zero_optimization": {"stage": zero_stage},
-            "bf16": {"enabled": dtype == "bfloat16"},
+            "torch_autocast": {"enabled": self.autocast, "dtype": "bfloat16"},
             "fp16": {"enabled": dtype == "float16"},
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
@@ -193,6 +195,13 @@ class DeepSpeedTrainer:
         return pack_micro_batches(batch.lengths, self.micro_batch_tokens)
 
     def _forward_logprobs(self, net: torch.nn.Module, mb: TrainBatch) -> torch.Tensor:
+        # The same autocast for every forward: the proximal and reference passes run the bare
+        # module (DeepSpeed autocasts only its engine's forward), and a proximal pass in other
+        # numerics than the update's would move the PPO ratio off 1.
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return self._forward_logprobs_as_is(net, mb)
+
+    def _forward_logprobs_as_is(self, net: torch.nn.Module, mb: TrainBatch) -> torch.Tensor:
         # One forward per micro-batch either way (under ZeRO-3 every forward is a collective).
         if self.share_prefixes:
             return prefix_tree_logprobs(net, mb.input_ids.to(self.device),
@@ -238,6 +247,8 @@ class DeepSpeedTrainer:
         totals = {"loss": 0.0, "tokens": 0.0, "computed_tokens": 0.0, "clipped": 0.0,
                   "behav_weight_sum": 0.0, "behav_weight_max": 0.0, "behav_masked": 0.0,
                   "kl_sum": 0.0, "grad_norm": 0.0, "computed_rows": 0.0}
+        # Where the update's time goes (metrics time/forward_s ...; this rank's own clock).
+        clock = {"time/forward_s": 0.0, "time/backward_s": 0.0, "time/optimizer_s": 0.0}
         rank, world = rank_and_world()
         if world > 1 and len(chunks) != minibatches:
             raise ValueError(f"rank {rank} got {n} samples for {minibatches} minibatches: every rank "
@@ -260,6 +271,7 @@ class DeepSpeedTrainer:
                 mb = sub.select(idx)
                 rows = torch.tensor([kept[i] for i in idx])
                 width = mb.input_ids.shape[1]
+                started = time.perf_counter()
                 logp = self._forward_logprobs(self.engine, mb)
                 prox = (logp.detach() if prox_logp is None
                         else prox_logp[rows, :width].to(self.device))
@@ -269,7 +281,10 @@ class DeepSpeedTrainer:
                     num_tokens=num_tokens,
                     ref_logp=None if ref_logp is None else ref_logp[rows, :width].to(self.device),
                 )
+                forwarded = time.perf_counter()
+                clock["time/forward_s"] += forwarded - started
                 self.engine.backward(loss, scale_wrt_gas=False)
+                clock["time/backward_s"] += time.perf_counter() - forwarded
                 totals["loss"] += float(loss.detach())
                 totals["computed_tokens"] += stats.tokens
                 totals["clipped"] += stats.clipped
@@ -277,8 +292,10 @@ class DeepSpeedTrainer:
                 totals["behav_weight_max"] = max(totals["behav_weight_max"], stats.behav_weight_max)
                 totals["behav_masked"] += stats.behav_masked
                 totals["kl_sum"] += stats.kl_sum
+            started = time.perf_counter()
             local_norm = self._grad_norm()  # before step(): it clips and zeroes the grads
             self.engine.step()
+            clock["time/optimizer_s"] += time.perf_counter() - started
             norm = self.engine.get_global_grad_norm()
             norm = float(norm) if norm is not None else local_norm
             totals["grad_norm"] = max(totals["grad_norm"], norm)
@@ -288,7 +305,7 @@ class DeepSpeedTrainer:
             summed = _all_reduce_sum([totals[k] for k in keys])
             totals.update(dict(zip(keys, summed, strict=True)))
             totals["loss"] /= world
-        return totals
+        return {**totals, **clock}
 
     def _grad_norm(self) -> float:
         # DeepSpeed reports no norm in unmanaged accumulation with ZeRO 0; ZeRO >= 1 keeps grads

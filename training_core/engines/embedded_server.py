@@ -1,7 +1,7 @@
 """The embedded rollout server: SGLang's native HTTP API in front of :class:`GenerationEngine`.
 
 For CPU machines, tests and demos; on GPUs production uses a real SGLang fleet, and the client
-cannot tell the difference (same endpoints, same JSON, same errors). See DESIGN.md §4 and the
+cannot tell the difference (same endpoints, same JSON, same errors). See docs/design.md §4 and the
 engine's own notes in ``generation_engine.py``.
 
 Request bodies are pydantic models that follow SGLang's request models (io_struct.py,
@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--weight-version", default="0")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="weights, activations and KV cache (SGLang's --dtype); the run's "
+                             "model.dtype")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is gone (no orphans after a SIGKILL)")
     args = parser.parse_args(argv)
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     # Before anything starts a thread or opens a socket: the engine process is forked from here.
     engine = EngineProcess(threads=args.threads, model_path=args.model_path, device=args.device,
                            seed=args.seed, max_batch_size=args.max_batch_size,
-                           weight_version=args.weight_version)
+                           weight_version=args.weight_version, dtype=args.dtype)
     if args.parent_pid:
         _exit_with_parent(args.parent_pid)
     import uvicorn

@@ -27,16 +27,55 @@ its decode batch, each distinct prefix computed once, with no padding.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from training_core.api import PROMPT_VERSION
 
+log = logging.getLogger("oolong.trainer")
+
 ROW_FACTOR = 3  # measured: 2 / 3 / 4 x the longest sample gave 0.076 / 0.073 / 0.072 s
 ROW_CAP = 4096
 # Attention implementations that take a prepared 4D mask; others run the rows whole.
 MASKED_ATTENTION = ("sdpa", "eager")
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+class UnsupportedAttention(ValueError):
+    """A model whose layers' attention a prepared mask cannot express (e.g. chunked)."""
+
+
+def sliding_window(config: object) -> int | None:
+    """The attention window of the model's sliding-window layers; None when none has one."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window or getattr(config, "use_sliding_window", True) is False or (
+            types is not None and SLIDING not in types):
+        return None
+    return int(window)
+
+
+def layer_masks(config: object, allowed: torch.Tensor,
+                distance: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The ``attention_mask`` to pass with a prepared 4D boolean mask: ``allowed`` itself, or
+    with the model's sliding window applied. transformers uses a prepared mask as it is, so a
+    window left out here is not applied at all (a Mistral-shaped model then attends past its
+    window). ``distance``: query position minus key position, broadcastable to ``allowed``; a
+    key is inside the window when distance < window, as transformers' own sliding mask has it.
+    Models mixing full and sliding layers (Qwen2's ``layer_types``) get one mask per kind."""
+    window = sliding_window(config)
+    if window is None:
+        return allowed
+    near = allowed & (distance < window)
+    types = getattr(config, "layer_types", None)
+    if types is None or all(t == SLIDING for t in types):
+        return near
+    unknown = set(types) - {FULL, SLIDING}
+    if unknown:
+        raise UnsupportedAttention(f"layer types {sorted(unknown)} take no prepared mask")
+    return {FULL: allowed, SLIDING: near}
 
 
 def generation_starts(attention_mask: torch.Tensor, versions: torch.Tensor) -> torch.Tensor:
@@ -263,6 +302,27 @@ def prefill_forest(seqs: list[list[int]], row_budget: int) -> PrefillForest:
     return PrefillForest(layout.tokens, layout.depths, layout.allowed, nodes, mask, nodes[:, -1])
 
 
+def shares_prefixes(config: object) -> bool:
+    """Whether the prefix forest can run this model (a prepared mask expresses its attention);
+    the reason is logged once when it cannot, and the rows then run whole."""
+    impl = getattr(config, "_attn_implementation", "sdpa")
+    reason = None
+    if impl not in MASKED_ATTENTION:
+        reason = f"attention {impl!r} takes no prepared mask"
+    else:
+        try:
+            layer_masks(config, torch.ones(1, 1, 1, 1, dtype=torch.bool), torch.zeros(1, 1, 1, 1))
+        except UnsupportedAttention as exc:
+            reason = str(exc)
+    if reason is not None and reason not in _LOGGED:
+        _LOGGED.add(reason)
+        log.warning("shared prefixes off for this model: %s; every row runs whole", reason)
+    return reason is None
+
+
+_LOGGED: set[str] = set()
+
+
 def prefix_tree_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
                          attention_mask: torch.Tensor, versions: torch.Tensor,
                          temperature: float) -> torch.Tensor:
@@ -270,18 +330,25 @@ def prefix_tree_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
     Columns before a row's first generated token are 0 (the loss never reads them). Models whose
     attention takes no prepared mask (flash-attention kernels) run the rows whole."""
     config = getattr(model, "module", model).config  # a DeepSpeed engine wraps the model
-    if getattr(config, "_attn_implementation", "sdpa") not in MASKED_ATTENTION:
+    if not shares_prefixes(config):
         return sequence_logprobs(model, input_ids, attention_mask, temperature)
     n, width = input_ids.shape
     device = input_ids.device
     forest = build_forest(input_ids.cpu(), attention_mask.cpu(), versions.cpu())
-    mask = forest.allowed.to(device)
+    depths = forest.position_ids.to(device)
+    masks = layer_masks(config, forest.allowed.to(device),
+                        depths.view(len(depths), 1, -1, 1) - depths.view(len(depths), 1, 1, -1))
     if config._attn_implementation == "eager":  # eager attention adds the mask to its scores
         dtype = next(model.parameters()).dtype
-        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(
-            ~mask, torch.finfo(dtype).min)
-    logits = model(input_ids=forest.input_ids.to(device), position_ids=forest.position_ids.to(device),
-                   attention_mask=mask, use_cache=False).logits
+
+        def additive(m: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(m.shape, dtype=dtype, device=device).masked_fill(
+                ~m, torch.finfo(dtype).min)
+
+        masks = ({k: additive(m) for k, m in masks.items()} if isinstance(masks, dict)
+                 else additive(masks))
+    logits = model(input_ids=forest.input_ids.to(device), position_ids=depths,
+                   attention_mask=masks, use_cache=False).logits
     picked = logits.reshape(-1, logits.shape[-1]).index_select(0, forest.parents.to(device))
     node_logp = torch.log_softmax(picked.float() / temperature, dim=-1).gather(
         -1, forest.targets.to(device).unsqueeze(-1)).squeeze(-1)

@@ -35,8 +35,9 @@ from typing import Any
 import httpx
 
 from training_core.api import GenerationRequest, GenerationResponse
-from training_core.engines.json_http import JsonHttpClient
+from training_core.engines.json_http import Connector, JsonHttpClient
 from training_core.http import aretrying
+from training_core.version import PolicyVersion
 
 log = logging.getLogger(__name__)
 
@@ -86,18 +87,18 @@ class _Partial:
     def aborted(self) -> bool:
         return self.finish == "abort"
 
-    def response(self, request: GenerationRequest, latency: float) -> GenerationResponse:
+    def response(self, request: GenerationRequest) -> GenerationResponse:
         return GenerationResponse(
             input_ids=list(request.input_ids), output_ids=self.ids, output_logprobs=self.logprobs,
             output_versions=self.versions, finish_reason=self.finish,
-            interruptions=self.interruptions, latency_s=latency)
+            interruptions=self.interruptions)
 
 
 class RolloutClient:
     def __init__(self, urls: list[str], *, timeout_s: float = 300.0, retries: int = 3,
                  cooldown_s: float = 2.0, retry_window_s: float = 120.0,
                  max_interruptions: int = 16, pause_mode: str = "abort",
-                 transport: httpx.AsyncBaseTransport | None = None):
+                 version: PolicyVersion | None = None, connect: Connector | None = None):
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
         if pause_mode not in ("abort", "in_place"):
@@ -109,10 +110,11 @@ class RolloutClient:
         self.cooldown_s = cooldown_s
         self.retry_window_s = retry_window_s
         self.max_interruptions = max_interruptions
-        self._transport = transport  # tests put a recording or scripted transport here
-        self._version = 0
-        self._clients: dict[int, httpx.AsyncClient] = {}
-        self._json_clients: dict[int, JsonHttpClient] = {}  # POSTs, see _post
+        self._connect = connect  # tests connect the client to a scripted server here
+        # The trainer's policy version (its one owner, training_core.version): admission and
+        # routing read it; weight_sync.push_weights advances it.
+        self.policy = version or PolicyVersion()
+        self._json_clients: dict[int, JsonHttpClient] = {}  # one per event loop, see _request
         self.interruptions = 0
         # An abort is an interruption only if this client paused the servers while the request
         # was in flight: ``_pauses`` counts pauses, ``_paused`` is true until generation continues.
@@ -126,24 +128,13 @@ class RolloutClient:
 
     @property
     def version(self) -> int:
-        return self._version
+        return self.policy.current
 
-    def set_version(self, version: int) -> None:
-        self._version = version
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
 
     # ---- HTTP plumbing ----------------------------------------------------------------------
-
-    def _client(self) -> httpx.AsyncClient:
-        # One AsyncClient per event loop: the executor's loop and short-lived control loops.
-        loop = asyncio.get_running_loop()
-        key = id(loop)
-        client = self._clients.get(key)
-        if client is None or client.is_closed:
-            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-            client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=10.0),
-                                       limits=limits, transport=self._transport)
-            self._clients[key] = client
-        return client
 
     def _pick(self) -> _Server:
         now = time.monotonic()
@@ -151,31 +142,33 @@ class RolloutClient:
         current = [s for s in alive if not s.behind] or alive
         return min(current, key=lambda s: s.in_flight)
 
-    async def _post(self, server: _Server, path: str, payload: dict | None = None) -> Any:
-        """POST JSON: /generate and the control calls (pause, weight loads, resume), over
+    async def _request(self, server: _Server, method: str, path: str, payload: dict | None = None,
+                       *, timeout_s: float | None = None) -> Any:
+        """Every call to a rollout server, generation and control, GET and POST, goes here, over
         json_http's lean keep-alive client (httpx costs the trainer's thread GIL time, see
-        json_http). Tests' scripted transports speak httpx, so with one the call goes there."""
-        if self._transport is not None:
-            resp = await self._client().post(server.url + path, json=payload or {})
-            status, body = resp.status_code, resp.content
-        else:
-            key = id(asyncio.get_running_loop())
-            client = self._json_clients.get(key)
-            if client is None:
-                client = self._json_clients[key] = JsonHttpClient(timeout_s=self.timeout_s)
-            status, body = await client.post(server.url + path, payload or {})
+        json_http). One client per event loop: the executor's loop and short control loops."""
+        key = id(asyncio.get_running_loop())
+        client = self._json_clients.get(key)
+        if client is None or client.closed:
+            client = self._json_clients[key] = JsonHttpClient(timeout_s=self.timeout_s,
+                                                              connect=self._connect)
+        status, body = await client.request(method, server.url + path, payload,
+                                            timeout_s=timeout_s)
         if status >= 400:
             raise RolloutServerError(
                 f"{server.url}{path} -> {status}: {body[:300].decode(errors='replace')}",
                 status=status)
-        return json.loads(body) if body else {}
+        try:
+            return json.loads(body) if body else {}
+        except ValueError:
+            raise RolloutServerError(f"{server.url}{path} -> {status}: not JSON: "
+                                     f"{body[:300].decode(errors='replace')}", status=status) from None
+
+    async def _post(self, server: _Server, path: str, payload: dict | None = None) -> Any:
+        return await self._request(server, "POST", path, payload or {})
 
     async def _get(self, server: _Server, path: str) -> Any:
-        resp = await self._client().get(server.url + path, timeout=10.0)
-        if resp.status_code >= 400:
-            raise RolloutServerError(f"{server.url}{path} -> {resp.status_code}: {resp.text[:300]}",
-                                     status=resp.status_code)
-        return resp.json()
+        return await self._request(server, "GET", path, timeout_s=10.0)
 
     async def _generate_once(self, payload: dict, weight: int = 1) -> dict | list:
         """POST /generate on the least-loaded healthy server; connection errors and 5xx move to
@@ -196,7 +189,7 @@ class RolloutClient:
 
     async def _generate_on(self, server: _Server, payload: dict, weight: int) -> dict | list:
         server.in_flight += weight
-        version = self._version
+        version = self.policy.current
         try:
             result = await self._post(server, "/generate", payload)
             items = result if isinstance(result, list) else [result]
@@ -232,7 +225,6 @@ class RolloutClient:
         """``n`` samples of one prompt. The first round is one batched HTTP call (SGLang takes a
         list of ``input_ids``); samples interrupted by a weight update continue together once
         generation resumes."""
-        start = time.perf_counter()
         budget = request.sampling.max_new_tokens
         states = [_Partial() for _ in range(n)]
         pending = states
@@ -247,7 +239,7 @@ class RolloutClient:
                         f"a sample was interrupted {st.interruptions} times (limit "
                         f"{self.max_interruptions}): weight updates come faster than it generates")
             pending = [st for st in pending if st.aborted]
-        return [st.response(request, time.perf_counter() - start) for st in states]
+        return [st.response(request) for st in states]
 
     async def _until_unpaused(self) -> None:
         # Re-submitting while the servers are paused would only queue (SGLang) or abort again:
@@ -279,7 +271,7 @@ class RolloutClient:
         return {"input_ids": ids, "sampling_params": params, "return_logprob": True}
 
     async def _round(self, request: GenerationRequest, states: list[_Partial]) -> None:
-        version_at_submit = self._version
+        version_at_submit = self.policy.current
         pauses_at_submit = self._pauses
         result = await self._generate_once(self._payload(request, states), weight=len(states))
         results = result if isinstance(result, list) else [result]
@@ -353,7 +345,7 @@ class RolloutClient:
             payload["flush_cache"] = False
         results = await self._all("/update_weights_from_disk", payload)
         _check_all("update_weights_from_disk", self.servers, results)
-        self._updated(version)
+        self._servers_current()
 
     # ---- weights over the network (SGLang's distributed weight update) ----------------------
 
@@ -394,7 +386,7 @@ class RolloutClient:
             *[self._post(s, "/update_weights_from_distributed", payload) for s in self.servers])
         _check_all("update_weights_from_distributed", self.servers, results)
         if version is not None:
-            self._updated(version)
+            self._servers_current()
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         results = await asyncio.gather(
@@ -415,10 +407,25 @@ class RolloutClient:
             raise
         return True
 
-    def _updated(self, version: int) -> None:
-        self._version = version
+    def _servers_current(self) -> None:
         for server in self.servers:  # every server has the new weights now
             server.behind = False
+
+    async def server_infos(self, urls: set[str] | None = None, *,
+                           timeout_s: float = 2.0) -> dict[str, dict[str, Any] | None]:
+        """``GET /server_info`` of each server (of ``urls`` only, when given), concurrently and
+        without retries: for monitoring, so a server that does not answer in ``timeout_s`` (or
+        at all) is None, never an error."""
+        async def one(server: _Server) -> dict[str, Any] | None:
+            try:
+                info = await self._request(server, "GET", "/server_info", timeout_s=timeout_s)
+            except (httpx.TransportError, RolloutServerError):
+                return None
+            return info if isinstance(info, dict) else None
+
+        chosen = [s for s in self.servers if urls is None or s.url in urls]
+        infos = await asyncio.gather(*[one(s) for s in chosen])
+        return {s.url: info for s, info in zip(chosen, infos, strict=True)}
 
     async def weight_versions(self) -> list[str]:
         """Each server's ``weight_version`` from ``GET /model_info`` (SGLang >= 0.5.2x; the older
@@ -437,11 +444,7 @@ class RolloutClient:
                                      f"{expected}; launch SGLang with --weight-version {expected}")
 
     async def aclose(self) -> None:
-        key = id(asyncio.get_running_loop())
-        client = self._clients.pop(key, None)
-        if client is not None:
-            await client.aclose()
-        lean = self._json_clients.pop(key, None)
+        lean = self._json_clients.pop(id(asyncio.get_running_loop()), None)
         if lean is not None:
             await lean.aclose()
 

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 SPECIALS = ["<pad>", "<s>", "</s>"]
 ALPHABET = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"] + ["\n"]
@@ -35,9 +44,24 @@ def build_tiny_model(
     num_heads: int = 4,
     max_positions: int = 512,
     seed: int = 0,
-) -> LlamaForCausalLM:
+    family: str = "llama",
+    sliding_window: int | None = None,
+    full_attention_layers: int = 0,
+) -> PreTrainedModel:
+    """A tiny causal LM. ``family``: llama (the demo's), mistral (every layer attends within
+    ``sliding_window``) or qwen2 (the first ``full_attention_layers`` layers attend to
+    everything, the others within ``sliding_window``): the shapes the engine's masks must get
+    right."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config_class, model_class, extra = {
+        "llama": (LlamaConfig, LlamaForCausalLM, {}),
+        "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": sliding_window}),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, {
+            "sliding_window": sliding_window, "use_sliding_window": sliding_window is not None,
+            "max_window_layers": full_attention_layers}),
+    }[family]
+    config = config_class(
+        **extra,
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
@@ -50,10 +74,10 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=True,
     )
-    return LlamaForCausalLM(config)
+    return model_class(config)
 
 
-def save_tiny(out_dir: str | Path, **kwargs: int) -> Path:
+def save_tiny(out_dir: str | Path, **kwargs: object) -> Path:
     """Write a fresh tiny model + tokenizer as a normal Hugging Face folder."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

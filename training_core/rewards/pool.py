@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from training_core.imports import import_string
+from training_core.jail import check_available
 from training_core.rewards.registry import parse_reward_path, resolve_reward
 from training_core.sandbox import JailedWorker, Limits, failure_message
 
@@ -76,9 +77,12 @@ class RewardPool:
         if executor == "remote":
             # Loaded by import path: the engine knows no queue library.
             backend = import_string(remote_backend or "", field="reward.remote_backend", kind="class")
-            self._remote = backend(fn_path, timeout_s=timeout_s)
+            _, source = jailed_reward(fn_path, extract)  # names a bad path or extractor here
+            self._remote = backend(fn_path, timeout_s=timeout_s, extract=extract, source=source)
             return
         self._spec, self._source = jailed_reward(fn_path, extract)
+        if executor == "process":
+            check_available()  # said at start: no jail as specified here, no reward code run
         if executor == "inline":
             if self._source is not None:
                 raise ValueError("reward.executor 'inline' scores built-in rewards only: reward "

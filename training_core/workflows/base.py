@@ -30,6 +30,7 @@ class WorkflowContext:
     chat_template: bool = False
     max_turns: int = 2
     turn_discount: float = 0.9
+    agent: Any = None  # rollout.agent (config.AgentSpec): the agent workflow's limits and credit
 
     def render_prompt(self, item: dict[str, Any]) -> list[int]:
         return render_prompt(self.tokenizer, item, self.prompt_template, self.chat_template)

@@ -31,6 +31,7 @@ class MultiTurnWorkflow:
         ids = self.ctx.render_prompt(item)
         mask, lps, vers = [0] * len(ids), [0.0] * len(ids), [PROMPT_VERSION] * len(ids)
         reward, truncated, completions, interruptions = 0.0, False, [], 0
+        reward_error: str | None = None  # the first turn whose reward failed (counted per sample)
         for turn in range(self.ctx.max_turns):
             resp = await engine.agenerate(GenerationRequest(list(ids), self.ctx.sampling))
             text = self.ctx.decode(resp.output_ids)
@@ -42,6 +43,7 @@ class MultiTurnWorkflow:
             vers += resp.output_versions
             truncated = resp.finish_reason == "length"
             scored = await self.ctx.rewards.score(text, item)
+            reward_error = reward_error or scored.error
             if scored.reward > 0:
                 reward = scored.reward * self.ctx.turn_discount**turn
                 break
@@ -52,7 +54,7 @@ class MultiTurnWorkflow:
                 vers += [PROMPT_VERSION] * len(self.feedback_ids)
         return Trajectory(ids, mask, lps, vers, reward, truncated,
                           info={"completion": " | ".join(completions), "turns": len(completions),
-                                "interruptions": interruptions})
+                                "interruptions": interruptions, "reward_error": reward_error})
 
     async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> TrajectoryGroup | None:
         samples = await asyncio.gather(

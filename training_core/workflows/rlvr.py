@@ -22,9 +22,6 @@ class RLVRWorkflow:
     async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> TrajectoryGroup | None:
         request = GenerationRequest(self.ctx.render_prompt(item), self.ctx.sampling)
         n = self.ctx.group_size
-        if hasattr(engine, "agenerate_group"):  # one batched request for the whole group
-            responses = await engine.agenerate_group(request, n)
-        else:
-            responses = await asyncio.gather(*[engine.agenerate(request) for _ in range(n)])
+        responses = await engine.agenerate_group(request, n)  # one batched request
         samples = await asyncio.gather(*[self._score(r, item) for r in responses])
         return TrajectoryGroup(samples=list(samples))

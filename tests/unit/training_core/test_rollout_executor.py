@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from training_core.api import GenerationResponse, Trajectory, TrajectoryGroup
+from training_core.api import Trajectory, TrajectoryGroup
 from training_core.data.datasets import PromptLoader
 from training_core.rollout import RolloutExecutor
 from training_core.staleness import StalenessManager
@@ -195,11 +195,6 @@ def test_episode_errors_surface_in_the_trainer():
         ex.stop()
 
 
-def test_generation_response_is_plain_data():
-    r = GenerationResponse([1], [2], [-0.1], [0], "stop")
-    assert r.interruptions == 0
-
-
 def _straggler_run(max_token_staleness, versions=14, seed=3):
     """B=2, eta=1, M=8; one episode in four is a straggler (10x slower). Returns, per consumed
     sample, (version at consume, oldest token version, dropped)."""
@@ -331,6 +326,6 @@ def test_dropping_a_stale_sample_changes_no_other_sample():
     # ... and only the dropped sample leaves the loss.
     assert b.loss_mask[0].sum() == 0 and torch.equal(a.loss_mask[1], b.loss_mask[1])
     # Its tokens still count in the staleness metrics: the lag of the stale sample shows.
-    from training_core.train import batch_metrics
+    from training_core.step_metrics import batch_metrics
 
     assert batch_metrics([dropped], version=5, algo=dapo)["staleness/max"] == 5

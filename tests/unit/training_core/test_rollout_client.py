@@ -1,4 +1,5 @@
-"""The rollout client against a scripted SGLang at the HTTP level (httpx transport): which aborts
+"""The rollout client against a scripted SGLang at the HTTP level (its own HTTP/1.1 client over a
+socket pair, scripted_http.ScriptedServer): which aborts
 are interruptions, what is never retried, budgets and caps, and the wire contract with SGLang's
 request models. The replies have SGLang's shape (``meta_info.finish_reason`` etc.)."""
 
@@ -10,6 +11,7 @@ import json
 import httpx
 import pytest
 
+from tests.training_core.scripted_http import ScriptedServer
 from tests.training_core.sglang_contract import check_request
 from training_core.api import GenerationRequest, SamplingParams
 from training_core.engines.rollout_client import (
@@ -17,6 +19,7 @@ from training_core.engines.rollout_client import (
     RequestRejected,
     RolloutClient,
 )
+from training_core.version import PolicyVersion
 
 URL = "http://127.0.0.2:30000"
 
@@ -53,7 +56,7 @@ class ScriptedSGLang:
 
 
 def client_for(server, **kw) -> RolloutClient:
-    return RolloutClient([URL], transport=httpx.MockTransport(server), retry_window_s=0.5,
+    return RolloutClient([URL], connect=ScriptedServer(server), retry_window_s=0.5,
                          retries=1, **kw)
 
 
@@ -120,7 +123,7 @@ def test_abort_during_a_pause_resumes_with_the_partial_output_after_continue():
         await asyncio.sleep(0.05)
         # While paused, the interrupted sample waits: no second /generate yet.
         assert server.generate_calls == 1
-        client.set_version(1)
+        client.policy.advance()  # the trainer pushed version 1 meanwhile
         await client.resume()
         resp = await asyncio.wait_for(task, 5)
         second = [b for m, p, b in server.requests if p == "/generate"][1]
@@ -257,8 +260,7 @@ def test_a_server_behind_the_trainers_version_is_not_routed_to_until_the_next_up
         return httpx.Response(200, json={"success": True, "message": "ok"})
 
     client = RolloutClient(["http://127.0.0.2:1", "http://127.0.0.3:1"],
-                           transport=httpx.MockTransport(handler))
-    client.set_version(4)
+                           connect=ScriptedServer(handler), version=PolicyVersion(4))
     request = GenerationRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=1))
 
     async def go():

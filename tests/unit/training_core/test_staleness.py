@@ -50,14 +50,6 @@ def test_recover_restores_accepted_from_version():
     assert m.capacity(3) == (1 + 3 + 1) * 2 - 6
 
 
-def test_listeners_see_every_event():
-    m = StalenessManager(batch_groups=1, max_staleness=0, max_concurrent=5)
-    seen = []
-    m.add_listener(seen.append)
-    m.on_submitted(), m.on_accepted(), m.on_submitted(), m.on_rejected(), m.recover(0)
-    assert seen == ["submitted", "accepted", "submitted", "rejected", "recovered"]
-
-
 def test_invalid_arguments():
     with pytest.raises(ValueError):
         StalenessManager(batch_groups=0, max_staleness=0, max_concurrent=1)

@@ -1,0 +1,96 @@
+"""Credit for agent episodes: rewards per trajectory or per completion, an optional discount
+across turns, the group baseline over the G trajectories of one task item.
+
+An episode with completions (turns) t = 0..T-1 has per-turn rewards r_t: the agent's list (one
+per completion), or a single float R given as r_{T-1} = R. Its return-to-go from turn t is
+``G_t = sum_{k >= t} gamma^(k-t) r_k`` and its return is ``G_0``. The preset's group baseline is
+computed over the G returns ``G_0`` of one item (GRPO, Dr.GRPO, RLOO unchanged), and a token of
+turn t gets ``A_i + (G_{i,t} - G_{i,0}) * s``, where ``A_i`` is the trajectory's advantage and
+``s`` the preset's scale (1 / group std when it normalises, else 1). With gamma = 1 and one
+float reward every turn gets ``A_i``: the trajectory-level GRPO of rLLM/AReaL.
+
+Every segment of a trajectory is its own row, carrying these per-token advantages; prompt tokens
+(tool results, user turns) have loss mask 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from training_core.algorithms.advantages import group_advantages
+from training_core.algorithms.presets import AlgorithmConfig
+from training_core.api import Trajectory, TrajectoryGroup
+from training_core.gateway.session import NOT_A_TURN, Session
+
+
+class BadReward(ValueError):
+    """The agent returned something that is not a reward for this episode."""
+
+
+def turn_returns(reward: Any, turns: int, discount: float) -> list[float]:
+    """G_t for t = 0..turns-1 (see the module doc)."""
+    if isinstance(reward, bool) or not isinstance(reward, int | float | list | tuple):
+        raise BadReward(f"the agent returned {type(reward).__name__}: return a float reward or a "
+                        "list with one float per completion")
+    if isinstance(reward, list | tuple):
+        if len(reward) != turns:
+            raise BadReward(f"the agent returned {len(reward)} rewards for {turns} completions: "
+                            "return one per completion, or one float")
+        per_turn = [float(r) for r in reward]
+    else:
+        per_turn = [0.0] * (turns - 1) + [float(reward)] if turns else []
+    if any(r != r or r in (float("inf"), float("-inf")) for r in per_turn):
+        raise BadReward("the agent returned a NaN or infinite reward")
+    out, running = [0.0] * turns, 0.0
+    for t in range(turns - 1, -1, -1):
+        running = per_turn[t] + discount * running
+        out[t] = running
+    return out
+
+
+def episode_trajectories(session: Session, reward: Any, *, episode: int,
+                         discount: float = 1.0) -> list[Trajectory]:
+    """The session's segments as rows: exact ids, behaviour logprobs and versions as sampled."""
+    if session.turns == 0:
+        raise BadReward("the agent made no chat completion")
+    returns = turn_returns(reward, session.turns, discount)
+    rows = []
+    for k, seg in enumerate(session.segments):
+        token_returns = [returns[t] if t != NOT_A_TURN else 0.0 for t in seg.turns]
+        rows.append(Trajectory(
+            input_ids=list(seg.ids), loss_mask=list(seg.mask), logprobs=list(seg.logprobs),
+            versions=list(seg.versions), reward=returns[0],
+            truncated=False,
+            info={"episode": episode, "segment": k, "token_returns": token_returns,
+                  "turn_ids": list(seg.turns), "episode_return": returns[0],
+                  "interruptions": session.interruptions if k == 0 else 0,
+                  "completion": " | ".join(e["completion"] for e in session.log
+                                           if e["segment"] == k),
+                  "turns_log": [{**e, "return": returns[e["turn"]]} for e in session.log
+                                if e["segment"] == k],
+                  **(session.metrics() if k == 0 else {})}))
+    return rows
+
+
+def segment_advantages(groups: list[TrajectoryGroup], algo: AlgorithmConfig,
+                       eps: float = 1e-6) -> list[list[float]]:
+    """Per row (segment) and token, the advantage (module doc); the rows in the order of
+    ``[s for g in groups for s in g.samples]``."""
+    out: list[list[float]] = []
+    for group in groups:
+        episodes: dict[int, float] = {}
+        for s in group.samples:
+            episodes.setdefault(s.info["episode"], s.info["episode_return"])
+        keys = sorted(episodes)
+        returns = torch.tensor([[episodes[k] for k in keys]], dtype=torch.float32)
+        adv = dict(zip(keys, group_advantages(returns, algo)[0].tolist(), strict=True))
+        scale = 1.0
+        if algo.normalize_std and len(keys) > 1:
+            scale = 1.0 / (returns.std(unbiased=False).item() + eps)
+        for s in group.samples:
+            base, g0 = adv[s.info["episode"]], s.info["episode_return"]
+            out.append([(base + (g - g0) * scale) if m else 0.0
+                        for g, m in zip(s.info["token_returns"], s.loss_mask, strict=True)])
+    return out

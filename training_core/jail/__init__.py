@@ -1,0 +1,138 @@
+"""The jail for user code (rewards, agents): bubblewrap namespaces, never host root, a seccomp
+filter, and one cgroup per jail bounding memory (tmpfs included), processes and CPU.
+
+:func:`spawn` starts a command in a fresh jail; :class:`Jail` kills it whole. The parts:
+``argv`` (the bwrap command line and who runs it), ``seccomp`` (the filter), ``cgroups`` (the
+aggregate limits). ``training_core.sandbox`` builds the reward worker on top.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from training_core.jail import cgroups, seccomp
+from training_core.jail.argv import (
+    FILES_DIR,
+    bwrap_path,
+    jail_argv,
+    jail_user,
+    make_scratch,
+    python,
+    runtime_paths,
+)
+from training_core.jail.errors import SandboxUnavailable
+
+__all__ = ["FILES_DIR", "PROTOCOL_PRELUDE", "Jail", "Limits", "SandboxUnavailable", "bwrap_path", "check_available",
+           "jail_argv", "jail_user", "make_scratch", "python", "runtime_paths", "spawn"]
+
+
+# The start of every jailed Python runner (rewards, agents): the protocol keeps a private dup of
+# stdout and ``say`` writes one JSON line to it; whatever the user's code prints goes to
+# /dev/null, so it cannot forge protocol lines through print. The runner imports os, sys, json.
+PROTOCOL_PRELUDE = r'''
+proto = os.fdopen(os.dup(1), "w", buffering=1)
+null = os.open(os.devnull, os.O_WRONLY)
+os.dup2(null, 1); os.dup2(null, 2)
+sys.stdout = sys.stderr = open(os.devnull, "w")
+
+def say(obj):
+    proto.write(json.dumps(obj) + "\n")
+'''
+
+
+@dataclass(frozen=True)
+class Limits:
+    memory_mb: int = 2048  # address space per process: imports of math-verify / reasoning-gym need ~1 GB
+    file_mb: int = 10
+    cpu_s: int = 3600  # a backstop over the worker's life; each call has its own wall deadline
+    answer_bytes: int = 64 * 1024  # one protocol line; a longer answer kills the worker
+    start_timeout_s: float = 60.0
+    # The jail as a whole (its cgroup): every process and its tmpfs pages together.
+    jail_memory_mb: int = 2048
+    pids: int = 64
+    cpus: float = 1.0
+    tmpfs_mb: int = 64  # each of /tmp, /dev/shm and /scratch
+
+
+def check_available() -> str:
+    """Whether user code can be jailed here, as specified: raises SandboxUnavailable naming what
+    is missing (bwrap, the jail user, libseccomp, cgroups). Returns the cgroup mode."""
+    bwrap_path()
+    jail_user()
+    seccomp.filter_bpf()
+    return cgroups.check_available()
+
+
+@dataclass
+class Jail:
+    """One running jail: bwrap (``proc``) and everything in its cgroup."""
+
+    proc: subprocess.Popen
+    cgroup: cgroups.JailCgroup
+
+    def kill(self) -> None:
+        """bwrap's process group, then whatever else is in the cgroup (setsid children
+        included), then the cgroup itself."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.cgroup.remove()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, 0)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def spawn(argv: list[str], *, limits: Limits = Limits(), files: dict[str, str] | None = None,
+          scratch: Path | None = None, **popen: Any) -> Jail:
+    """Start ``argv`` in a fresh jail. ``files``: name -> text, readable at ``/oolong/<name>``
+    (handed over by fd: nothing is written on the host). Other keywords go to ``Popen``."""
+    bwrap_path()
+    jail_user()
+    bpf = seccomp.filter_bpf()
+    cgroup = cgroups.JailCgroup(cgroups.CgroupLimits(limits.jail_memory_mb, limits.pids, limits.cpus))
+    fds: list[int] = []
+    join: list[int] = []
+    try:
+        seccomp_fd = _memfd("oolong-seccomp", bpf)
+        fds.append(seccomp_fd)
+        file_fds = {name: _memfd(f"oolong-{name}", text.encode()) for name, text in (files or {}).items()}
+        fds += file_fds.values()
+        join = cgroup.join_fds()
+
+        def preexec() -> None:
+            os.setsid()  # its own process group: killpg reaches bwrap and the jail
+            cgroups.JailCgroup.join(join)  # before exec: bwrap and all it starts are bounded
+            mem = limits.memory_mb * 2**20
+            resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * 2**20,) * 2)
+            resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 5))
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+        cmd = jail_argv(argv, scratch, files=file_fds, seccomp_fd=seccomp_fd,
+                        tmpfs_mb=limits.tmpfs_mb)
+        # env empty even for bwrap: the jail's PID 1 is bwrap's init, and /proc/1/environ is its.
+        proc = subprocess.Popen(cmd, env={}, preexec_fn=preexec, close_fds=True,
+                                pass_fds=tuple(fds), **popen)
+    except BaseException:
+        cgroup.remove()
+        raise
+    finally:
+        for fd in fds + join:
+            os.close(fd)
+    return Jail(proc, cgroup)

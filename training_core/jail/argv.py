@@ -1,0 +1,142 @@
+"""The bwrap command line of a jail, and who runs it.
+
+Who: a non-root caller starts bwrap itself (bwrap maps the jail's uid 65534 to the caller, which
+is not root, and ``--disable-userns`` forbids nested user namespaces). A root caller never does
+that: the mapped uid would be host root (a reward once wrote ``kernel.core_pattern`` and ran a
+script as host root). bwrap then builds the namespaces with root's privileges (it must read a
+runtime that may sit under ``/root``) and the jailed command starts through ``setpriv`` as the
+dedicated system user ``oolong-jail``: to the kernel every jailed process is that uid, with no
+capabilities, no-new-privs, and a seccomp filter that refuses new namespaces of any kind.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pwd
+import shutil
+import sys
+from pathlib import Path
+
+import training_core
+from training_core.jail.errors import SandboxUnavailable
+
+JAIL_USER = "oolong-jail"
+INSIDE_UID = 65534  # nobody, what a non-root caller's jail shows inside
+RUNTIME_ROOTS = ("/usr", "/lib", "/lib64", "/bin")
+FILES_DIR = "/oolong"  # read-only files handed in by fd (runner, user source)
+
+
+@functools.cache
+def bwrap_path() -> str:
+    path = shutil.which("bwrap")
+    if path is None:
+        raise SandboxUnavailable("bwrap (Debian's bubblewrap package) is not installed: reward code "
+                                 "runs only inside its jail. Install it: apt-get install bubblewrap")
+    return path
+
+
+def jail_user() -> tuple[int, int] | None:
+    """(uid, gid) the jail runs as when the caller is root; None for a non-root caller."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        entry = pwd.getpwnam(JAIL_USER)
+    except KeyError:
+        raise SandboxUnavailable(
+            f"running as root, the jail needs the unprivileged system user {JAIL_USER!r} (reward "
+            "code never runs as host root): create it with `bash scripts/services.sh jail` "
+            f"(useradd --system --user-group --no-create-home --shell /usr/sbin/nologin {JAIL_USER})"
+        ) from None
+    if entry.pw_uid == 0 or entry.pw_gid == 0:
+        raise SandboxUnavailable(f"the jail user {JAIL_USER!r} must not be uid or gid 0")
+    if shutil.which("setpriv") is None:
+        raise SandboxUnavailable("setpriv (util-linux) is missing: a root caller drops to the jail "
+                                 "user with it")
+    return entry.pw_uid, entry.pw_gid
+
+
+def python() -> str:
+    # The virtualenv's interpreter: its pyvenv.cfg makes the installed packages importable.
+    return str(Path(sys.prefix) / "bin" / "python")
+
+
+def runtime_paths() -> list[Path]:
+    """What the jailed Python may read: the interpreter, the virtualenv (installed packages) and
+    training_core (the built-in rewards), plus the system libraries."""
+    paths = {Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(),
+             Path(training_core.__file__).resolve().parent}
+    paths |= {Path(p) for p in RUNTIME_ROOTS if Path(p).exists()}
+    # Nested paths are covered by their parents.
+    return sorted(p for p in paths if not any(q != p and q in p.parents for q in paths))
+
+
+def jail_argv(argv: list[str], scratch: Path | None = None, *, files: dict[str, int] | None = None,
+              seccomp_fd: int | None = None, tmpfs_mb: int = 64) -> list[str]:
+    """bwrap + ``argv`` in the jail.
+
+    ``scratch``: a host directory bound writable at ``/scratch`` (it must be writable by the jail
+    user: see :func:`make_scratch`); None (the default for rewards) gives a ``tmpfs_mb`` tmpfs
+    there instead, so nothing of the jail is left on the host. ``files``: ``name -> fd`` copied
+    read-only to ``/oolong/<name>``. ``seccomp_fd``: the filter (``seccomp.filter_fd()``); pass it
+    in ``pass_fds``. Use :func:`training_core.jail.spawn` unless you need the bare argv.
+    """
+    user = jail_user()
+    size = str(tmpfs_mb * 2**20)
+    cmd = [bwrap_path()]
+    if user is None:
+        cmd += ["--unshare-all", "--unshare-user", "--disable-userns",
+                "--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID)]
+    else:
+        # No user namespace: the jail is in the host's, as the jail user (setpriv below).
+        # setpriv needs SETUID/SETGID to become the jail user and SETPCAP to empty the bounding
+        # set; bwrap's final chdir into a scratch directory owned by the jail user (0700) needs
+        # DAC_READ_SEARCH. Becoming a non-zero uid then clears them all.
+        cmd += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+                "--unshare-cgroup", "--cap-drop", "ALL", "--cap-add", "CAP_SETUID",
+                "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP",
+                "--cap-add", "CAP_DAC_READ_SEARCH"]
+    cmd += ["--cap-drop", "ALL"] if user is None else []
+    cmd += ["--die-with-parent", "--new-session", "--clearenv",
+            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "OMP_NUM_THREADS", "1",
+            "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "HOME", "/scratch",
+            "--proc", "/proc",
+            # Read-only whoever the jail is (bwrap covers them only when they look writable).
+            "--ro-bind", "/proc/sys", "/proc/sys",
+            "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger",
+            "--dev", "/dev",
+            "--perms", "1777", "--size", size, "--tmpfs", "/tmp",
+            "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm"]
+    runtime = runtime_paths()
+    # bwrap makes missing parents 0700 (root's): the jail user could not walk to the runtime.
+    for parent in sorted({str(a) for p in runtime for a in p.parents if str(a) != "/"}):
+        cmd += ["--perms", "0755", "--dir", parent]
+    for path in runtime:
+        cmd += ["--ro-bind", str(path), str(path)]
+    # Mounted last, at paths no runtime path lies under (a later mount would hide it).
+    if scratch is None:
+        cmd += ["--perms", "1777", "--size", size, "--tmpfs", "/scratch"]
+    else:
+        cmd += ["--bind", str(scratch), "/scratch"]
+    cmd += ["--perms", "0755", "--dir", FILES_DIR]
+    for name, fd in (files or {}).items():
+        cmd += ["--perms", "0444", "--ro-bind-data", str(fd), f"{FILES_DIR}/{name}"]
+    cmd += ["--chdir", "/scratch"]
+    if seccomp_fd is not None:
+        cmd += ["--seccomp", str(seccomp_fd)]
+    if user is not None:
+        uid, gid = user
+        cmd += ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+                "--inh-caps=-all", "--bounding-set=-all", "--"]
+    return cmd + argv
+
+
+def make_scratch(path: Path) -> Path:
+    """Make ``path`` a scratch directory for :func:`jail_argv`: 0700, owned by whoever the jail
+    runs as (the jail user for a root caller), so the jail and nobody else can write it."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    user = jail_user()
+    if user is not None:
+        os.chown(path, *user)
+    os.chmod(path, 0o700)
+    return path

@@ -1,0 +1,255 @@
+"""Everything a run wires before its first step, so that train.py can open with the loop.
+
+:func:`build_run` makes the parts: on every rank the run directory, model, trainer and weight
+sync, restored from the latest checkpoint on resume; on rank 0 also the rollout side: the
+servers (embedded, or the spec's URLs), the rollout client, admission control, the prompt
+stream, rewards, the workflow, the executor and the sinks, with the resume bookkeeping (prompts
+that were in flight, truncated metric lines, the servers brought to the checkpoint's weights).
+:meth:`Run.close` tears the rollout side down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from training_core.algorithms.presets import AlgorithmConfig, resolve_algorithm
+from training_core.api import MetricsSink, SamplingParams, TrainEngine, WeightReceiver
+from training_core.checkpoint import checkpoint_dir, latest_checkpoint
+from training_core.checkpoint_store import CheckpointStore
+from training_core.config import RunSpec, dump_spec
+from training_core.data.datasets import PromptLoader, load_data
+from training_core.engines.deepspeed_trainer import (
+    DeepSpeedTrainer,
+    barrier,
+    local_rank,
+    rank_and_world,
+)
+from training_core.engines.rollout_client import RolloutClient
+from training_core.launch import start_embedded_fleet
+from training_core.metrics import JsonlSink, MultiSink, truncate_metrics
+from training_core.models.loading import load_tokenizer, run_model_dir
+from training_core.processes import Fleet
+from training_core.rewards.pool import RewardPool
+from training_core.rollout import RolloutExecutor
+from training_core.rollout_profile import RolloutProfile
+from training_core.staleness import StalenessManager
+from training_core.thread_share import ThreadShare
+from training_core.version import PolicyVersion
+from training_core.weight_sync import WeightSync, make_weight_sync, push_weights
+from training_core.workflows import load_workflow
+from training_core.workflows.base import WorkflowContext
+
+
+@dataclass
+class Resumed:
+    version: int
+    first_step: int
+    state: dict[str, Any]  # the checkpoint's client state (loader position, pending prompts, ...)
+    tag: str
+
+
+@dataclass
+class Run:
+    """The parts of a run. The rollout side (rank 0 only) is None on the other ranks."""
+
+    spec: RunSpec
+    run_dir: Path
+    algo: AlgorithmConfig
+    trainer: TrainEngine
+    sync: WeightSync
+    policy: PolicyVersion  # the one owner of the policy version (training_core.version)
+    first_step: int
+    rank: int
+    world: int
+    tokenizer: Any = None
+    sink: MetricsSink | None = None
+    fleet: Fleet | None = None
+    client: WeightReceiver | None = None  # the rollout servers (RolloutClient)
+    staleness: StalenessManager | None = None
+    rewards: RewardPool | None = None
+    ctx: WorkflowContext | None = None
+    executor: RolloutExecutor | None = None
+    eval_rows: list[dict[str, Any]] | None = None
+    threads: ThreadShare | None = None
+    profile: RolloutProfile | None = None
+    # Control calls (pause, weight load, resume) get their own event loop in the trainer's
+    # thread: the executor's loop is busy with hundreds of in-flight requests and would delay them.
+    control: asyncio.AbstractEventLoop | None = None
+
+    def close(self) -> None:
+        """The rollout side, in order: the weight group and the client's connections, the
+        executor, the profile, the reward workers, the sinks, the servers."""
+        try:
+            if self.control is not None:
+                self.control.run_until_complete(_close_control(self.client, self.sync))
+                self.control.close()
+        finally:
+            for part in (self.executor and self.executor.stop, self.profile and self.profile.close,
+                         self.rewards and self.rewards.close, self.sink and self.sink.close,
+                         self.fleet and self.fleet.stop):
+                if part:
+                    part()
+
+
+def build_run(spec: RunSpec, *, resume_dir: str | Path | None = None,
+              sink: MetricsSink | None = None) -> Run:
+    run_dir = Path(resume_dir) if resume_dir else default_run_dir(spec)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_spec(spec, run_dir / "spec.yaml")
+    torch.set_num_threads(spec.trainer.threads)
+    seed_everything(spec.seed)
+
+    # ---- every rank: model, algorithm, trainer, weight sync; a resume restores them ----------
+    model_dir = run_model_dir(spec, run_dir)
+    algo = resolve_algorithm(spec.algorithm.preset, **spec.algorithm.model_dump(
+        exclude={"preset", "rollout_correction"}))
+    trainer = DeepSpeedTrainer(
+        model_dir, lr=spec.trainer.lr, weight_decay=spec.trainer.weight_decay,
+        grad_clip=spec.trainer.grad_clip, zero_stage=spec.trainer.zero_stage,
+        dtype=spec.model.dtype, dist_backend=spec.trainer.dist_backend,
+        temperature=spec.rollout.temperature, micro_batch_tokens=spec.trainer.micro_batch_tokens,
+        keep_reference=algo.kl_coef > 0, share_prefixes=spec.trainer.share_prefixes)
+    rank, world = rank_and_world()
+    sync = make_weight_sync(spec.weight_sync, run_dir)
+    resumed = restore(trainer, run_dir, sync) if resume_dir else None
+    policy = PolicyVersion(resumed.version if resumed else 0)
+    run = Run(spec, run_dir, algo, trainer, sync, policy, resumed.first_step if resumed else 1,
+              rank, world)
+    if rank != 0:  # data-parallel ranks train on their shard; rank 0 owns everything else
+        return run
+
+    # ---- rank 0: the rollout side ---------------------------------------------------------------
+    run.tokenizer = load_tokenizer(model_dir)
+    data = load_data(spec.data, spec.seed)
+    if spec.rollout.server_urls:
+        urls = list(spec.rollout.server_urls)
+    else:
+        # A resumed run samples with a fresh seed: replaying the first run's random stream would
+        # repeat its samples.
+        run.fleet = start_embedded_fleet(
+            str(model_dir), spec.rollout.num_servers, run_dir / "logs",
+            threads=spec.rollout.server_threads, max_batch_size=spec.rollout.max_batch_size,
+            seed=server_seed(spec.seed, policy.current), weight_version=0, dtype=spec.model.dtype)
+        urls = run.fleet.urls
+    run.client = RolloutClient(urls, timeout_s=spec.rollout.request_timeout_s,
+                               max_interruptions=spec.rollout.max_interruptions,
+                               pause_mode=spec.rollout.interrupt_mode, version=policy)
+    run.staleness = StalenessManager(batch_groups=spec.trainer.batch_groups,
+                                     max_staleness=spec.rollout.max_staleness,
+                                     max_concurrent=spec.rollout.max_concurrent)
+    loader = PromptLoader(data.train, spec.seed)
+    run.sink = sink or make_sinks(spec, run_dir)
+    run.control = asyncio.new_event_loop()
+    run.control.run_until_complete(sync.connect(run.client))
+    _resume_rollout(run, resumed, loader, bool(resume_dir))
+
+    sampling = SamplingParams(max_new_tokens=spec.rollout.max_new_tokens,
+                              temperature=spec.rollout.temperature, top_p=spec.rollout.top_p,
+                              top_k=spec.rollout.top_k)
+    run.rewards = RewardPool(spec.reward.fn, workers=spec.reward.workers,
+                             timeout_s=spec.reward.timeout_s, executor=spec.reward.executor,
+                             remote_backend=spec.reward.remote_backend, extract=spec.reward.extract)
+    run.ctx = WorkflowContext(
+        tokenizer=run.tokenizer, rewards=run.rewards, sampling=sampling,
+        group_size=spec.rollout.group_size, prompt_template=spec.data.prompt_template,
+        chat_template=spec.data.chat_template, max_turns=spec.rollout.max_turns,
+        turn_discount=spec.rollout.turn_discount,
+        agent=spec.rollout.agent.model_copy(update={  # online mode writes it
+            "gateway_file": spec.rollout.agent.gateway_file or str(run_dir / "gateway.json")}))
+    online = spec.rollout.mode == "online"
+    workflow = load_workflow("online" if online else spec.rollout.workflow, run.ctx)
+    if online:  # the gateway's URL (never its key) in the run's events
+        workflow.on_ready = lambda url: run.sink.event("gateway", f"online gateway at {url}",
+                                                       url=url)
+    run.executor = RolloutExecutor(run.client, workflow, loader, run.staleness,
+                                   dynamic_filter=algo.dynamic_filter,
+                                   max_token_staleness=spec.rollout.token_staleness_bound)
+    run.eval_rows = data.eval[: spec.eval.size]
+    run.threads = ThreadShare(spec, run.fleet, run.executor, world)
+    run.profile = RolloutProfile(run.client)
+    return run
+
+
+def _resume_rollout(run: Run, resumed: Resumed | None, loader: PromptLoader,
+                    resuming: bool) -> None:
+    """Bring the rollout side to the checkpoint: its prompts, admission counters, metric lines
+    and the servers' weights; or check that fresh servers start at version 0."""
+    if resumed is not None:
+        # Prompts in flight or buffered at the checkpoint were never trained on: hand them out
+        # again first (checkpoints from before this existed carry only the position).
+        state = resumed.state
+        loader.restore(state["loader_position"], state.get("pending_prompts"))
+        run.staleness.recover(run.policy.current)
+        dropped = truncate_metrics(run.run_dir, state["step"])
+        # The servers load the checkpoint's weights, as the checkpoint's own version.
+        run.control.run_until_complete(push_weights(run.client, run.sync, run.policy,
+                                                    advance=False))
+        run.sink.event("resumed", f"resumed from {resumed.tag} at version {run.policy.current}",
+                       step=state["step"], discarded_metric_lines=dropped,
+                       requeued_prompts=len(state.get("pending_prompts", [])))
+    else:
+        run.control.run_until_complete(run.client.check_versions(0))
+        if resuming:
+            truncate_metrics(run.run_dir, 0)
+            run.sink.event("resumed", "no complete checkpoint; starting from step 1")
+
+
+def restore(trainer: TrainEngine, run_dir: Path, sync: WeightSync) -> Resumed | None:
+    """Load the latest complete checkpoint and export its weights (every rank takes part: under
+    ZeRO-3 the export gathers). None when there is none."""
+    found = latest_checkpoint(run_dir)
+    store = CheckpointStore.from_env(run_dir)
+    stored = store.latest() if store is not None else None
+    if stored is not None and (found is None or stored[0] > found[0]):
+        if local_rank() == 0:  # fresh nodes: one download per node
+            store.download(stored[1], checkpoint_dir(run_dir))
+        barrier()
+        found = stored
+    if not found:
+        return None
+    state = trainer.load_checkpoint(checkpoint_dir(run_dir), found[1])
+    sync.export(trainer, state["version"])
+    return Resumed(state["version"], state["step"] + 1, state, found[1])
+
+
+async def _close_control(client: WeightReceiver | None, sync: WeightSync) -> None:
+    if client is None:
+        return
+    try:
+        await sync.close(client)
+    finally:
+        await client.aclose()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def default_run_dir(spec: RunSpec) -> Path:
+    return Path(spec.run_dir or Path("runs") / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def make_sinks(spec: RunSpec, run_dir: Path) -> MetricsSink:
+    sinks: list[Any] = [JsonlSink(run_dir)]
+    if "http" in spec.metrics.sinks:
+        from training_core.tracking_sink import HttpSink
+
+        sinks.append(HttpSink(spec.metrics.tracker_url, spec.metrics.tracker_token,
+                              spool_dir=run_dir / "spool"))
+    return MultiSink(sinks)
+
+
+def server_seed(seed: int, version: int) -> int:
+    """The embedded servers' sampling seed: the run's seed at the start, a different one for
+    each version a run resumes at (deterministic, so a resumed run is reproducible)."""
+    return seed if version == 0 else (seed * 1_000_003 + version * 7_919) % 2**31
