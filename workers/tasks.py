@@ -34,7 +34,13 @@ def runs_reconcile() -> int:
     return reconcile()
 
 
-@shared_task(name="oolong.reward_validate", acks_late=True)
+# Hard ceilings on top of the jail's own deadlines (validation: 10 s of calls plus start-up;
+# scoring: the trainer's reward.timeout_s): a worker child wedged outside the jail is killed.
+REWARD_VALIDATE_LIMITS = {"soft_time_limit": 120, "time_limit": 150}
+REWARD_SCORE_LIMITS = {"soft_time_limit": 300, "time_limit": 330}
+
+
+@shared_task(name="oolong.reward_validate", acks_late=True, **REWARD_VALIDATE_LIMITS)
 def reward_validate(version_id: int) -> dict:
     """Run user reward code in the sandbox against sample rows and record the report."""
     from webapp.rewards.validation import reward_version_validate
@@ -42,12 +48,14 @@ def reward_validate(version_id: int) -> dict:
     return reward_version_validate(version_id=version_id)
 
 
-@shared_task(name="oolong.reward_score", acks_late=True)
-def reward_score(fn_path: str, source: str, completion: str, item: dict[str, Any]) -> dict:
+@shared_task(name="oolong.reward_score", acks_late=True, **REWARD_SCORE_LIMITS)
+def reward_score(fn_path: str, source: str, completion: str, item: dict[str, Any],
+                 extract: str = "auto") -> dict:
     """The remote reward backend: trainers fan expensive rewards out to this worker pool."""
     from webapp.rewards.validation import reward_score_remote
 
-    return reward_score_remote(fn_path=fn_path, source=source, completion=completion, item=item)
+    return reward_score_remote(fn_path=fn_path, source=source, completion=completion, item=item,
+                               extract=extract)
 
 
 @shared_task(name="oolong.dataset_validate")

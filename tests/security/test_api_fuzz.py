@@ -94,7 +94,10 @@ def _fuzz(schema, headers: dict[str, str]) -> list[str]:
     return failures
 
 
-def test_user_endpoints_as_a_member(api_schema, member_token):
+@pytest.mark.parametrize("debug", [False, True], ids=["production", "debug"])
+def test_user_endpoints_as_a_member(api_schema, member_token, settings, debug):
+    # DEBUG changes what Django answers for unmatched URLs and errors: both must hold.
+    settings.DEBUG = debug
     failures = _fuzz(api_schema.exclude(path_regex="^/api/ingest/"),
                      {"Authorization": f"Token {member_token}"})
     assert not failures, "\n\n".join(failures)

@@ -109,15 +109,16 @@ def test_the_trainer_never_imports_reward_code(attack_module):
 
 
 def test_without_bwrap_reward_code_does_not_run(attack_module, monkeypatch):
-    from training_core import sandbox
+    from training_core.jail import argv
+    from training_core.sandbox import SandboxUnavailable
 
-    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
-    sandbox.bwrap_path.cache_clear()
+    monkeypatch.setattr(argv.shutil, "which", lambda name: None)
+    argv.bwrap_path.cache_clear()
     try:
-        with pytest.raises(sandbox.SandboxUnavailable, match="apt-get install bubblewrap"):
+        with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
             _score(attack_module("plain", "def reward(c, i):\n    return 1.0\n"))
     finally:
-        sandbox.bwrap_path.cache_clear()
+        argv.bwrap_path.cache_clear()
 
 
 @pytest.mark.slow

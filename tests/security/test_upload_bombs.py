@@ -177,3 +177,41 @@ def test_a_yaml_alias_bomb_in_the_run_form_is_refused(web, alice, project):  # n
                                             "project": project.id, "name": "bomb", "spec": bomb})
     assert r.status_code in (200, 400) and "aliases" in r.text
     assert _peak_rss(proc.pid) - before < RSS_GROWTH_LIMIT
+
+
+def test_a_small_parquet_of_big_cells_does_not_amplify(web, alice, project):  # noqa: F811
+    """The issue's file: 40 rows x 1 MiB in a few kB of zstd Parquet once raised the web
+    process's peak memory by 283 MB, made a 21 MB response and a 20 MB database row. Now the
+    cells over the cap are row errors, and cells under it (40 x 100 kB) are stored by the parse
+    child: the web process sees a summary with a capped preview."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from webapp.datasets.models import DatasetVersion
+
+    def parquet(cell: int) -> bytes:
+        out = io.BytesIO()
+        pq.write_table(pa.table({"question": ["q" * cell] * 40, "answer": ["1"] * 40}), out,
+                       compression="zstd")
+        return out.getvalue()
+
+    proc, base, port = web
+    headers = {"Authorization": f"Token {_token(alice)}"}
+
+    def upload(name: str, data: bytes) -> httpx.Response:
+        return httpx.post(base + "/api/datasets/", headers=headers, timeout=180,
+                          data={"project": project.id, "name": name, "task": "qa"},
+                          files={"file": (f"{name}.parquet", data)})
+
+    assert upload("warm", parquet(10)).status_code == 201  # imports and first-request costs
+    before = _peak_rss(proc.pid)
+    big = parquet(1 << 20)
+    assert len(big) < 10_000
+    r = upload("huge-cells", big)
+    assert r.status_code == 400 and len(r.content) < 50_000
+    assert r.json()["errors"][0]["field"] == "question"
+    r = upload("big-cells", parquet(100_000))
+    assert r.status_code == 201 and len(r.content) < 50_000, len(r.content)
+    version = DatasetVersion.objects.get(dataset__name="big-cells")
+    assert len(str(version.preview)) < 50_000 and version.row_count == 40
+    assert _peak_rss(proc.pid) - before < 60 * 2**20

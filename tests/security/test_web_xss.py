@@ -110,3 +110,38 @@ def test_run_names_and_config_values_show_as_text_in_comparisons(page, live_serv
     assert "<b>{question}</b>" in ticks and "data.options.<i>k</i>" in ticks, ticks
     assert page.locator("#parcoords i").count() == 0
     assert page.evaluate("window.__xss") is None
+
+
+def test_an_agents_turns_render_as_text_turn_by_turn(strict_page, live_server, run):  # noqa: F811
+    """The trajectory viewer draws an agent's segment turn by turn (messages, tool calls, tool
+    results, returns, versions); everything in it is the agent's or the model's output, so it is
+    text: a tool result carrying markup shows as typed and runs nothing."""
+    from webapp.tracking.services import trajectories_ingest
+
+    hostile = '<img src=x onerror="window.__turns = 1">'
+    turns = [
+        {"turn": 0, "segment": 0, "new_messages": [{"role": "user", "content": "What is 17*23?"}],
+         "completion": '<tool_call>{"name": "calc", "arguments": {"expr": "17*23"}}</tool_call>',
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "calc", "arguments": '{"expr": "17*23"}'}}],
+         "finish_reason": "tool_calls", "versions": [3], "tool_parse_failed": False,
+         "return": 0.9},
+        {"turn": 1, "segment": 0,
+         "new_messages": [{"role": "tool", "tool_call_id": "call_1", "content": "391 " + hostile}],
+         "completion": "The answer is 391.", "tool_calls": [], "finish_reason": "stop",
+         "versions": [3, 4], "tool_parse_failed": False, "return": 1.0}]
+    trajectories_ingest(run=run, samples=[{
+        "step": 1, "prompt": "agent", "completion": "The answer is 391.", "reward": 1.0,
+        "tokens": ["The", " answer"], "token_versions": [3, 4],
+        "info": {"turns": turns}}])
+    _login(strict_page, live_server.url)
+    strict_page.goto(f"{live_server.url}/runs/{run.id}/")
+    items = strict_page.locator("#trajectories .turn")
+    items.nth(1).wait_for(timeout=20_000)
+    first, second = items.all_inner_texts()
+    assert "turn 0" in first and "versions 3" in first and "→ calc(" in first
+    assert "user: What is 17*23?" in first
+    assert "turn 1" in second and "versions 3, 4" in second and "return 1.000" in second
+    assert "tool result (call_1): 391 " + hostile in second  # the markup, as text
+    assert strict_page.evaluate("window.__turns") is None
+    assert strict_page.locator("#trajectories img").count() == 0

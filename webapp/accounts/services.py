@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.utils import timezone
 from django.utils.text import slugify
-from rest_framework.authtoken.models import Token
 
 from webapp.accounts.models import Membership, Project
 from webapp.core.errors import ApplicationError
@@ -20,9 +21,7 @@ def user_create(*, username: str, password: str, email: str = ""):
         validate_password(password, User(username=username, email=email))
     except ValidationError as exc:
         raise ApplicationError(" ".join(exc.messages), field="password") from None
-    user = User.objects.create_user(username=username, password=password, email=email)
-    Token.objects.create(user=user)
-    return user
+    return User.objects.create_user(username=username, password=password, email=email)
 
 
 @transaction.atomic
@@ -50,5 +49,58 @@ def membership_add(*, project: Project, user, role: str = Membership.Role.MEMBER
     return membership
 
 
+@transaction.atomic
+def token_create(*, user) -> tuple[str, object]:
+    """A new API token for ``user``: (the plaintext, shown once; its AuthToken row, which keeps
+    only a digest, the key prefix and the expiry). Expired tokens go; past
+    ``API_TOKENS_PER_USER`` live ones, the oldest go too."""
+    from knox.models import AuthToken
+
+    AuthToken.objects.filter(user=user, expiry__lt=timezone.now()).delete()
+    keep = settings.API_TOKENS_PER_USER - 1
+    stale = list(AuthToken.objects.filter(user=user).order_by("-created")
+                 .values_list("digest", flat=True)[keep:])
+    if stale:
+        AuthToken.objects.filter(digest__in=stale).delete()
+    instance, token = AuthToken.objects.create(user=user)
+    return token, instance
+
+
 def token_get_or_create(*, user) -> str:
-    return Token.objects.get_or_create(user=user)[0].key
+    """A usable API token for ``user`` (the CLI's ``manage.py oolong_user``, tests). Tokens are
+    stored as digests, so this always makes a new one."""
+    return token_create(user=user)[0]
+
+
+def token_revoke(*, user, token_key: str) -> None:
+    """Revoke the owner's token(s) whose key prefix (``token_key``, as listed) matches."""
+    from knox.models import AuthToken
+
+    deleted, _ = AuthToken.objects.filter(user=user, token_key=token_key).delete()
+    if not deleted:
+        raise ApplicationError("no token of yours has this key", field="token_key",
+                               status_code=404)
+
+
+def tokens_revoke_all(*, user) -> int:
+    from knox.models import AuthToken
+
+    return AuthToken.objects.filter(user=user).delete()[0]
+
+
+def project_quota_set(*, user, project: Project, values: dict) -> None:
+    """Set a project's maxima (``max_servers``, ...; None: back to the site default). Site
+    administrators only: members get a 403."""
+    from webapp.accounts.models import ProjectQuota
+    from webapp.accounts.selectors import QUOTA_FIELDS
+
+    if not getattr(user, "is_staff", False):
+        raise ApplicationError("only administrators set a project's quota", field=None,
+                               status_code=403)
+    unknown = sorted(set(values) - set(QUOTA_FIELDS))
+    if unknown:
+        raise ApplicationError(f"unknown quota field(s) {unknown}", field=unknown[0])
+    quota, _ = ProjectQuota.objects.get_or_create(project=project)
+    for name, value in values.items():
+        setattr(quota, name, value)
+    quota.save()

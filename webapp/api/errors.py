@@ -12,6 +12,7 @@ from django.core.exceptions import PermissionDenied, RequestDataTooBig, Suspicio
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import DataError
 from django.http import Http404
+from django.views.decorators.csrf import csrf_exempt
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -82,6 +83,26 @@ def not_found(request, exception=None):
         return JsonResponse({"message": "not found", "errors": [
             {"field": None, "message": f"no API endpoint at {request.path[:200]}"}]}, status=404)
     return page_not_found(request, exception)
+
+
+@csrf_exempt  # it changes nothing; a POST to no endpoint is a 404, not a CSRF 403
+def api_not_found(request, rest: str = ""):
+    """The last pattern under /api/: a JSON 404 in every setting (under DEBUG, Django answers an
+    unmatched URL with its HTML debug page before any handler404 runs), and for a URL that lacks
+    its final slash the URL that exists (a POST cannot follow APPEND_SLASH's redirect)."""
+    from django.http import JsonResponse
+    from django.urls import Resolver404, resolve
+
+    message = f"no API endpoint at {request.path[:200]}"
+    if not request.path.endswith("/"):
+        try:
+            resolved = resolve(request.path + "/")
+        except Resolver404:
+            resolved = None
+        if resolved is not None and resolved.func is not api_not_found:
+            message += f"; did you mean {request.path[:200]}/ (with the final slash)?"
+    return JsonResponse({"message": "not found", "errors": [{"field": None, "message": message}]},
+                        status=404)
 
 
 def server_error(request):

@@ -1,7 +1,8 @@
-from django.urls import path
+from django.urls import path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
 from webapp.accounts import apis as accounts
+from webapp.api.errors import api_not_found
 from webapp.api.views import combine
 from webapp.datasets import apis as datasets
 from webapp.rewards import apis as rewards
@@ -13,7 +14,10 @@ urlpatterns = [
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
     path("docs/", SpectacularSwaggerSplitView.as_view(url_name="schema"), name="docs"),
     path("auth/token/", accounts.TokenObtainApi.as_view(), name="api-token"),
+    path("auth/tokens/", accounts.TokenListApi.as_view(), name="api-tokens"),
+    re_path(r"^auth/tokens/(?P<token_key>[0-9A-Za-z_-]{1,25})/$", accounts.TokenRevokeApi.as_view()),
     path("projects/", combine("ProjectsApi", accounts.ProjectCreateApi, accounts.ProjectListApi).as_view()),
+    path("projects/<id:project_id>/quota/", accounts.ProjectQuotaApi.as_view()),
     path("datasets/", combine("DatasetsApi", datasets.DatasetUploadApi, datasets.DatasetListApi).as_view()),
     path("datasets/builtin/", datasets.DatasetBuiltinCreateApi.as_view()),
     path("datasets/<id:dataset_id>/", datasets.DatasetDetailApi.as_view()),
@@ -41,4 +45,6 @@ urlpatterns = [
     path("ingest/status/", tracking.StatusIngestApi.as_view()),
     path("ingest/trajectories/", tracking.TrajectoriesIngestApi.as_view()),
     path("ingest/checkpoints/", tracking.CheckpointIngestApi.as_view()),
+    # Last: anything else under /api/ is a JSON 404, DEBUG or not.
+    re_path(r"^(?P<rest>[\s\S]*)\Z", api_not_found),  # newlines too (%0A in a path)
 ]

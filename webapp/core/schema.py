@@ -16,6 +16,7 @@ class ErrorItem(serializers.Serializer):
     message = serializers.CharField()
     line = serializers.IntegerField(required=False, allow_null=True,
                                     help_text="dataset uploads: the file's line or row")
+    maximum = serializers.IntegerField(required=False, help_text="quotas: the project's maximum")
 
 
 class ErrorOutput(serializers.Serializer):

@@ -3,8 +3,11 @@ rates and fractions."""
 
 from __future__ import annotations
 
-GROUP_ORDER = ["reward", "eval", "staleness", "rollout", "loss", "tokens", "time", "proximal"]
-LOSS_KEYS = {"loss", "kl", "grad_norm", "clip_frac", "version", "tokens_per_s"}
+from training_core import metric_names as M
+
+GROUP_ORDER = ["reward", "eval", "staleness", "rollout", "mismatch", "loss", "tokens", "time",
+               "proximal"]
+LOSS_KEYS = {M.LOSS, M.KL, M.GRAD_NORM, M.CLIP_FRAC, M.VERSION, M.TOKENS_PER_S}
 
 
 def metric_group(key: str) -> str:
@@ -35,28 +38,33 @@ def grouped_metrics(latest: dict[str, float]) -> list[tuple[str, list[tuple[str,
     return sorted(groups.items(), key=lambda item: (order.get(item[0], len(order)), item[0]))
 
 
-GLANCE = [("reward/mean", "reward"), ("eval/accuracy", "eval accuracy"),
-          ("tokens_per_s", "tokens/s"), ("staleness/mean", "staleness mean"),
-          ("staleness/max", "staleness max"), ("time/weight_sync_pause_s", "weight-sync pause")]
+GLANCE = [(M.REWARD_MEAN, "reward"), (M.EVAL_ACCURACY, "eval accuracy"),
+          (M.TOKENS_PER_S, "tokens/s"), (M.STALENESS_MEAN, "staleness mean"),
+          (M.STALENESS_MAX, "staleness max"), (M.WEIGHT_SYNC_PAUSE_S, "weight-sync pause"),
+          (M.REWARD_ERROR_FRAC, "failed rewards"), (M.EVAL_ERRORS, "failed eval rows")]
+# Shown in red when above 0: failures a run hides otherwise (a failed reward scores 0).
+ALERT_KEYS = {M.REWARD_ERROR_FRAC, M.EVAL_ERRORS}
 
 
-def glance_items(glance: dict) -> list[tuple[str, str, str | None]]:
-    """The run page header: [(label, value, change since the start or None), ...]."""
+def glance_items(glance: dict) -> list[tuple[str, str, str | None, bool]]:
+    """The run page header: [(label, value, change since the start or None, alert), ...];
+    ``alert`` marks a failure count above zero (drawn in red)."""
     latest, first = glance["latest"], glance["first"]
-    items: list[tuple[str, str, str | None]] = []
+    items: list[tuple[str, str, str | None, bool]] = []
     if glance["step"] is not None and glance["total"]:
         left = max(glance["total"] - glance["step"], 0)
-        step_s = latest.get("time/step_s")
+        step_s = latest.get(M.STEP_S)
         eta = f" · ETA {_duration(left * step_s)}" if step_s and left else ""
-        items.append(("step", f"{glance['step']:,} / {glance['total']:,}{eta}", None))
+        items.append(("step", f"{glance['step']:,} / {glance['total']:,}{eta}", None, False))
     for key, label in GLANCE:
         if key not in latest:
             continue
         change = None
         if key in first:
             delta = latest[key] - first[key]
-            change = (f"{delta * 100:+.1f} pts" if key == "eval/accuracy" else f"{delta:+.3f}")
-        items.append((label, format_metric(key, latest[key]), change))
+            change = (f"{delta * 100:+.1f} pts" if key == M.EVAL_ACCURACY else f"{delta:+.3f}")
+        alert = key in ALERT_KEYS and latest[key] > 0
+        items.append((label, format_metric(key, latest[key]), change, alert))
     return items
 
 

@@ -9,6 +9,7 @@ from django import forms
 
 from training_core.config import parse_scalar
 from webapp.core.errors import ApplicationError
+from webapp.core.params import IdFormField, parse_count
 from webapp.core.spec_yaml import spec_from_yaml
 from webapp.runs.models import Run
 
@@ -25,7 +26,7 @@ class RunListFilterForm(forms.Form):
     status = forms.ChoiceField(choices=[("", "any")] + [(s, s) for s in Run.Status.values],
                                required=False)
     q = forms.CharField(required=False, max_length=200)
-    project = forms.IntegerField(required=False, min_value=1)
+    project = IdFormField(required=False)
 
 
 class RunCompareForm(forms.Form):
@@ -40,17 +41,19 @@ class RunCompareForm(forms.Form):
         for item in (x.strip() for x in raw):
             if not item:
                 continue
-            if not item.isdigit():
-                raise forms.ValidationError(f"run ids are numbers, got {item!r}")
-            ids.append(int(item))
+            number = parse_count(item)
+            if number is None:
+                raise forms.ValidationError(f"run ids are numbers (digits 0-9, below 2^63), "
+                                            f"got {item[:40]!r}")
+            ids.append(number)
         return list(dict.fromkeys(ids))
 
 
 class RunNewForm(forms.Form):
-    project = forms.IntegerField(min_value=1)
+    project = IdFormField()
     name = forms.CharField(required=False, max_length=80)
-    dataset_version = forms.IntegerField(min_value=1)
-    reward_version = forms.IntegerField(min_value=1)
+    dataset_version = IdFormField()
+    reward_version = IdFormField()
     spec = forms.CharField(required=False, strip=False)
     # A sweep: one or two fields to vary, each with its comma-separated values.
     sweep_field_1 = forms.CharField(required=False, max_length=100)
@@ -82,18 +85,18 @@ class RunNewForm(forms.Form):
 
 
 class CloneForm(forms.Form):
-    clone = forms.IntegerField(required=False, min_value=1, max_value=2**63 - 1)
+    clone = IdFormField(required=False)
 
 
 class DatasetUploadForm(forms.Form):
-    project = forms.IntegerField(min_value=1)
+    project = IdFormField()
     name = forms.CharField(max_length=200)
     task = forms.CharField(required=False, max_length=50)
     file = forms.FileField(error_messages={"required": "choose a file to upload"})
 
 
 class RewardCreateForm(forms.Form):
-    project = forms.IntegerField(min_value=1)
+    project = IdFormField()
     name = forms.CharField(max_length=200)
     builtin = forms.CharField(required=False, max_length=50)
     source = forms.CharField(required=False, strip=False)

@@ -12,8 +12,10 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
+from training_core import metric_names as M
 from webapp.accounts.selectors import project_get_for_user, project_list
 from webapp.core.errors import ApplicationError
+from webapp.core.params import parse_count
 from webapp.core.spec_yaml import spec_to_yaml
 from webapp.core.uploads import upload_check
 from webapp.dashboard.charts import COMPARE_BUCKETS, COMPARE_CHARTS, RUN_BUCKETS, RUN_CHART_GROUPS
@@ -45,6 +47,7 @@ from webapp.runs.models import Run
 from webapp.runs.selectors import (
     run_config_diff,
     run_event_recent,
+    run_gateway,
     run_get,
     run_list,
     run_spec_fields,
@@ -63,7 +66,7 @@ from webapp.tracking.selectors import (
     trajectory_steps,
 )
 
-LIST_KEYS = ["reward/mean", "eval/accuracy", "staleness/mean", "tokens_per_s"]
+LIST_KEYS = [M.REWARD_MEAN, M.EVAL_ACCURACY, M.STALENESS_MEAN, M.TOKENS_PER_S]
 
 
 @login_required
@@ -96,6 +99,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "eta": (run.spec.get("rollout") or {}).get("max_staleness", 0),
         "steps": trajectory_steps(run=run),
         "checkpoints": checkpoint_list(run=run),
+        "gateway": run_gateway(run=run),
         "spec_json": json.dumps(run.spec, indent=2)})
 
 
@@ -248,7 +252,7 @@ def _run_new_errors(request: HttpRequest, ctx: dict, errors: list[dict],
 
 
 def _int(value: str | None) -> int | None:
-    return int(value) if value and value.isdigit() and len(value) < 19 else None
+    return parse_count(value)  # ASCII digits, 64-bit; anything else shows the field empty
 
 
 def _upload_refused(request: HttpRequest, template: str, ctx: dict) -> HttpResponse | None:

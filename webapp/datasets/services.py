@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-import hashlib
-import json
+import os
+import tempfile
 from pathlib import Path
 
 from django.conf import settings
@@ -13,20 +13,26 @@ from webapp.datasets.builtins import BUILTINS
 from webapp.datasets.models import Dataset, DatasetVersion
 from webapp.datasets.validation import (
     ParseLimits,
-    dataset_stats,
     detect_format,
     validate_upload_bounded,
+    write_rows,
 )
 
 
-def _store_rows(rows: list[dict], checksum: str) -> str:
+def _rows_dir() -> Path:
     root = Path(settings.MEDIA_ROOT) / "datasets"
     root.mkdir(parents=True, exist_ok=True)
-    path = root / f"{checksum}.jsonl"
-    if not path.exists():  # content-addressed: identical uploads share one file
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        tmp.rename(path)
+    return root
+
+
+def _store_rows_file(tmp_path: str, checksum: str) -> str:
+    """Move a rows file written by write_rows to its content-addressed place (identical uploads
+    share one file). Same directory, so the rename is atomic."""
+    path = _rows_dir() / f"{checksum}.jsonl"
+    if path.exists():
+        os.unlink(tmp_path)
+    else:
+        os.replace(tmp_path, path)
     return str(path)
 
 
@@ -46,18 +52,26 @@ def _builtin_rows(name: str, size: int, seed: int) -> list[dict]:
 
 
 @transaction.atomic
-def _version_create(*, dataset: Dataset, rows: list[dict], source: str, file_format: str,
-                    user) -> DatasetVersion:
-    body = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rows)
-    checksum = hashlib.sha256(body.encode()).hexdigest()
+def _version_create(*, dataset: Dataset, summary: dict, rows_file: str, source: str,
+                    file_format: str, user) -> DatasetVersion:
+    """A new version from ``rows_file`` (written by write_rows) and its ``summary``."""
     latest = dataset.versions.select_for_update().order_by("-version").first()
-    if latest is not None and latest.checksum == checksum:
+    if latest is not None and latest.checksum == summary["checksum"]:
+        os.unlink(rows_file)
         return latest  # re-uploading the same content is a no-op, not a new version
-    path = _store_rows(rows, checksum)
+    path = _store_rows_file(rows_file, summary["checksum"])
     return DatasetVersion.objects.create(
         dataset=dataset, version=(latest.version + 1) if latest else 1, source=source,
-        file_format=file_format, checksum=checksum, rows_path=path, row_count=len(rows),
-        stats=dataset_stats(rows), preview=rows[:20], created_by=user)
+        file_format=file_format, checksum=summary["checksum"], rows_path=path,
+        row_count=summary["row_count"], stats=summary["stats"], preview=summary["preview"],
+        created_by=user)
+
+
+def _incoming_path() -> str:
+    """Where a rows file is written before it has a checksum: next to its final place."""
+    fd, path = tempfile.mkstemp(prefix="incoming-", suffix=".jsonl.tmp", dir=_rows_dir())
+    os.close(fd)
+    return path
 
 
 def _dataset_get_or_create(*, project: Project, name: str, task: str, user, description: str = "") -> Dataset:
@@ -92,30 +106,44 @@ def dataset_upload(*, project: Project, user, name: str, task: str, filename: st
     if fmt is None:
         raise ApplicationError("cannot tell the format from the file name; name it .jsonl, "
                                ".parquet or .csv, or set file_format", field="file_format")
-    result = validate_upload_bounded(data, fmt, task, ParseLimits(
-        max_rows=settings.DATASET_MAX_ROWS,
-        max_decompressed_bytes=settings.DATASET_MAX_DECOMPRESSED_BYTES,
-        memory_bytes=settings.DATASET_PARSE_MEMORY_BYTES))
-    if result.errors:
-        more = " (first 50 shown)" if result.truncated else ""
-        raise ApplicationError(f"{len(result.errors)} problem(s) in {filename}{more}; nothing was stored",
-                               errors=[{**e, "field": e["field"] or "file"} for e in result.errors])
-    with transaction.atomic():
-        dataset = _dataset_get_or_create(project=project, name=name, task=task, user=user,
-                                         description=description)
-        return _version_create(dataset=dataset, rows=result.rows, source=filename,
-                               file_format=fmt, user=user)
+    rows_file = _incoming_path()
+    try:
+        # The child parses, checks and writes the rows; only a bounded summary comes back.
+        result = validate_upload_bounded(data, fmt, task, rows_file, ParseLimits(
+            max_rows=settings.DATASET_MAX_ROWS,
+            max_decompressed_bytes=settings.DATASET_MAX_DECOMPRESSED_BYTES,
+            memory_bytes=settings.DATASET_PARSE_MEMORY_BYTES,
+            max_cell_chars=settings.DATASET_MAX_CELL_CHARS))
+        if result.errors or result.summary is None:
+            more = " (first 50 shown)" if result.truncated else ""
+            raise ApplicationError(
+                f"{len(result.errors)} problem(s) in {filename}{more}; nothing was stored",
+                errors=[{**e, "field": e["field"] or "file"} for e in result.errors])
+        with transaction.atomic():
+            dataset = _dataset_get_or_create(project=project, name=name, task=task, user=user,
+                                             description=description)
+            return _version_create(dataset=dataset, summary=result.summary, rows_file=rows_file,
+                                   source=filename, file_format=fmt, user=user)
+    finally:
+        if os.path.exists(rows_file):  # refused, or the transaction failed
+            os.unlink(rows_file)
 
 
 def dataset_create_builtin(*, project: Project, user, name: str, builtin: str, size: int = 2000,
                            seed: int = 0) -> DatasetVersion:
     rows = _builtin_rows(builtin, size, seed)
     task = "arithmetic" if builtin == "arithmetic" else "qa"
-    with transaction.atomic():
-        dataset = _dataset_get_or_create(project=project, name=name, task=task, user=user,
-                                         description=BUILTINS[builtin])
-        return _version_create(dataset=dataset, rows=rows, source=f"builtin:{builtin}",
-                               file_format="jsonl", user=user)
+    rows_file = _incoming_path()
+    try:
+        summary = write_rows(rows, rows_file)
+        with transaction.atomic():
+            dataset = _dataset_get_or_create(project=project, name=name, task=task, user=user,
+                                             description=BUILTINS[builtin])
+            return _version_create(dataset=dataset, summary=summary, rows_file=rows_file,
+                                   source=f"builtin:{builtin}", file_format="jsonl", user=user)
+    finally:
+        if os.path.exists(rows_file):
+            os.unlink(rows_file)
 
 
 def dataset_version_revalidate(*, version_id: int) -> dict:

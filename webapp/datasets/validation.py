@@ -8,11 +8,18 @@ An upload is parsed in a child process (:func:`validate_upload_bounded`) under a
 limit and a deadline: a file that expands beyond what its size suggests (a Parquet decompression
 or dictionary bomb, JSON that inflates into millions of objects) costs that child, never the web
 process. Row count and decompressed size have limits of their own with clear messages.
+
+The child also writes the checked rows to their file (:func:`write_rows`) and hands the web
+process only a summary: the row count, the checksum, the stats and a preview whose rows and cells
+are capped (``PREVIEW_ROWS``, ``PREVIEW_CELL_CHARS``). The rows never pass through the web
+process's memory, and no cell is longer than ``ParseLimits.max_cell_chars`` (a 2.5 kB Parquet of
+40 rows x 1 MiB once made a 21 MB response and a 20 MB database row).
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
@@ -27,6 +34,9 @@ from typing import Any
 from webapp.core.json_input import json_problem
 
 MAX_ERRORS = 50
+PREVIEW_ROWS = 20
+PREVIEW_CELL_CHARS = 500  # a preview cell is cut here, with an ellipsis
+STATS_MAX_COLUMNS = 100  # column names listed in the stats, each cut at PREVIEW_CELL_CHARS
 GSM8K_FINAL = re.compile(r"####\s*-?[\d,]+(\.\d+)?\s*$")
 NUMBER = re.compile(r"^-?\d[\d,]*(\.\d+)?$")
 
@@ -42,6 +52,7 @@ class ParseLimits:
     max_decompressed_bytes: int = 512 * 1024 * 1024  # Parquet: data pages once decompressed
     memory_bytes: int = 1024 * 1024 * 1024  # the parsing child's address space
     timeout_s: float = 120.0
+    max_cell_chars: int = 131_072  # one field of one row, as text or as JSON
 
 
 @dataclass
@@ -49,12 +60,16 @@ class ValidationResult:
     rows: list[dict[str, Any]] = field(default_factory=list)
     errors: list[dict[str, Any]] = field(default_factory=list)
     truncated: bool = False
+    # From the bounded child: what write_rows returned (rows stay in the file it wrote).
+    summary: dict[str, Any] | None = None
 
     def error(self, line: int | None, field_name: str | None, message: str) -> None:
         if len(self.errors) >= MAX_ERRORS:
             self.truncated = True
             return
-        self.errors.append({"line": line, "field": field_name, "message": message})
+        # Field names come from the file: bounded, like everything that reaches the response.
+        self.errors.append({"line": line, "field": field_name[:200] if field_name else field_name,
+                            "message": message[:1000]})
 
 
 def detect_format(filename: str) -> str | None:
@@ -165,7 +180,12 @@ def _parse(data: bytes, fmt: str, result: ValidationResult,
     return []
 
 
-def validate_rows(parsed: list[tuple[int, Any]], task: str, result: ValidationResult) -> None:
+def _cell_chars(value: Any) -> int:
+    return len(value) if isinstance(value, str) else len(json.dumps(value, ensure_ascii=False))
+
+
+def validate_rows(parsed: list[tuple[int, Any]], task: str, result: ValidationResult,
+                  max_cell_chars: int = ParseLimits.max_cell_chars) -> None:
     required = TASK_FIELDS[task]
     for line, row in parsed:
         if not isinstance(row, dict):
@@ -173,6 +193,13 @@ def validate_rows(parsed: list[tuple[int, Any]], task: str, result: ValidationRe
             continue
         if (bad := json_problem(row)) is not None:
             result.error(line, bad[0] or None, bad[1])
+            continue
+        big = next((k for k, v in row.items() if len(str(k)) > PREVIEW_CELL_CHARS
+                    or _cell_chars(v) > max_cell_chars), None)
+        if big is not None:
+            name = str(big)[:60]
+            result.error(line, name, f"is longer than {max_cell_chars:,} characters (or has a "
+                                     "name that long); OOLONG_DATASET_MAX_CELL_CHARS sets the limit")
             continue
         missing = [f for f in required if f not in row]
         if missing:
@@ -212,7 +239,7 @@ def validate_upload(data: bytes, fmt: str, task: str,
     parsed = _parse(data, fmt, result, limits)
     if not result.errors and not parsed:
         result.error(None, "file", "the file has no rows")
-    validate_rows(parsed, task, result)
+    validate_rows(parsed, task, result, limits.max_cell_chars)
     if result.errors:
         result.rows = []
     return result
@@ -221,13 +248,39 @@ def validate_upload(data: bytes, fmt: str, task: str,
 def dataset_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
     q = [len(r["question"]) for r in rows]
     a = [len(r["answer"]) for r in rows]
+    columns = sorted({k for r in rows for k in r})
     return {
         "rows": len(rows),
         "question_chars": {"min": min(q), "mean": round(sum(q) / len(q), 1), "max": max(q)},
         "answer_chars": {"min": min(a), "mean": round(sum(a) / len(a), 1), "max": max(a)},
-        "columns": sorted({k for r in rows for k in r}),
+        "columns": [_cut(c) for c in columns[:STATS_MAX_COLUMNS]],
+        "column_count": len(columns),
         "duplicate_questions": len(q) - len({r["question"] for r in rows}),
     }
+
+
+def _cut(value: Any) -> Any:
+    """A preview's copy of a cell: text cut at ``PREVIEW_CELL_CHARS``; a list or object longer
+    than that as JSON becomes its cut JSON text."""
+    if isinstance(value, str):
+        return value if len(value) <= PREVIEW_CELL_CHARS else value[:PREVIEW_CELL_CHARS] + "…"
+    if isinstance(value, (list, dict)):
+        text = json.dumps(value, ensure_ascii=False)
+        return value if len(text) <= PREVIEW_CELL_CHARS else text[:PREVIEW_CELL_CHARS] + "…"
+    return value
+
+
+def write_rows(rows: list[dict[str, Any]], path: str) -> dict[str, Any]:
+    """Write checked rows as JSONL to ``path`` and return what the database keeps about them:
+    ``{"checksum", "row_count", "stats", "preview"}``. The checksum is over the rows with sorted
+    keys (the same content in another column order is the same version)."""
+    digest = hashlib.sha256()
+    with open(path, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+            digest.update((json.dumps(row, sort_keys=True, ensure_ascii=False) + "\n").encode())
+    return {"checksum": digest.hexdigest(), "row_count": len(rows), "stats": dataset_stats(rows),
+            "preview": [{_cut(k): _cut(v) for k, v in row.items()} for row in rows[:PREVIEW_ROWS]]}
 
 
 def _child_limits(memory_bytes: int) -> None:
@@ -235,9 +288,11 @@ def _child_limits(memory_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def validate_upload_bounded(data: bytes, fmt: str, task: str,
+def validate_upload_bounded(data: bytes, fmt: str, task: str, rows_path: str,
                             limits: ParseLimits = ParseLimits()) -> ValidationResult:
-    """:func:`validate_upload` in a child process with an address-space limit and a deadline."""
+    """:func:`validate_upload` in a child process with an address-space limit and a deadline.
+    On success the child has written the rows to ``rows_path`` and ``summary`` says what
+    :func:`write_rows` returned; the result holds no rows."""
     result = ValidationResult()
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1",
            "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -246,7 +301,7 @@ def validate_upload_bounded(data: bytes, fmt: str, task: str,
         with open(source, "wb") as fh:
             fh.write(data)
         argv = [sys.executable, "-m", "webapp.datasets.validation", source, fmt, task, out,
-                json.dumps(asdict(limits))]
+                json.dumps(asdict(limits)), rows_path]
         try:
             proc = subprocess.run(argv, env=env, capture_output=True, timeout=limits.timeout_s,
                                   preexec_fn=lambda: _child_limits(limits.memory_bytes))
@@ -268,9 +323,17 @@ def validate_upload_bounded(data: bytes, fmt: str, task: str,
             return ValidationResult(**json.load(fh))
 
 
-if __name__ == "__main__":  # the bounded child: python -m webapp.datasets.validation SRC FMT TASK OUT LIMITS
-    _src, _fmt, _task, _out, _limits = sys.argv[1:6]
-    with open(_src, "rb") as _fh:
-        _result = validate_upload(_fh.read(), _fmt, _task, ParseLimits(**json.loads(_limits)))
-    with open(_out, "w") as _fh:
-        json.dump(asdict(_result), _fh)
+def _child_main(argv: list[str]) -> None:
+    """The bounded child: ``python -m webapp.datasets.validation SRC FMT TASK OUT LIMITS ROWS``."""
+    src, fmt, task, out, limits, rows_path = argv
+    with open(src, "rb") as fh:
+        result = validate_upload(fh.read(), fmt, task, ParseLimits(**json.loads(limits)))
+    if not result.errors:
+        result.summary = write_rows(result.rows, rows_path)
+    result.rows = []  # in the file now: the web process reads only the summary
+    with open(out, "w") as fh:
+        json.dump(asdict(result), fh)
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1:7])

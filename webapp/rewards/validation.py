@@ -41,12 +41,13 @@ def reward_version_validate(*, version_id: int) -> dict[str, Any]:
     return report
 
 
-def reward_score_remote(*, fn_path: str, source: str, completion: str, item: dict[str, Any]) -> dict:
+def reward_score_remote(*, fn_path: str, source: str, completion: str, item: dict[str, Any],
+                        extract: str = "auto") -> dict:
     if fn_path.startswith("builtin:"):
         from training_core.rewards.registry import resolve_reward
 
         try:
-            return {"reward": float(resolve_reward(fn_path)(completion, item))}
+            return {"reward": float(resolve_reward(fn_path, extract)(completion, item))}
         except Exception as exc:  # noqa: BLE001 - a failed reward scores 0 upstream
             return {"reward": 0.0, "error": f"{type(exc).__name__}: {exc}"}
     from training_core.sandbox import run_sandboxed

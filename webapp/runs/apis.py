@@ -4,10 +4,10 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from webapp.accounts.selectors import project_get_for_user
 from webapp.core.fields import BoundedText
 from webapp.core.params import choice_param, int_param, paginated
 from webapp.core.schema import PROJECT_FILTER, ErrorItem, errors, int_query, str_query
-from webapp.accounts.selectors import project_get_for_user
 from webapp.datasets.selectors import dataset_version_get
 from webapp.rewards.selectors import reward_version_get
 from webapp.runs.models import Run

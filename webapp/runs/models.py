@@ -35,6 +35,9 @@ class Run(models.Model):
     dataset_version = models.ForeignKey(DatasetVersion, on_delete=models.PROTECT, related_name="runs")
     reward_version = models.ForeignKey(RewardFunctionVersion, on_delete=models.PROTECT, related_name="runs")
     spec = models.JSONField(help_text="the resolved training_core run spec")
+    gateway_key = models.CharField(max_length=64, blank=True, help_text=(
+        "online mode (rollout.mode: online): the key external agents present to the run's "
+        "gateway; shown to the project's members"))
     status = models.CharField(max_length=15, choices=Status.choices, default=Status.QUEUED, db_index=True)
     status_reason = models.TextField(blank=True)
     cancel_requested = models.BooleanField(default=False)

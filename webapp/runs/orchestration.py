@@ -38,9 +38,13 @@ def run_submit_to_orchestrator(*, run_id: int) -> str | None:
     return ref
 
 
-def run_cancel_in_orchestrator(*, run_id: int, grace_s: float = 25.0) -> None:
+def run_cancel_in_orchestrator(*, run_id: int, grace_s: float = 75.0) -> None:
     """The flow polls the cancel flag and tears down itself; if it has not ended the run after
-    ``grace_s``, stop the flow process (its ``finally`` still tears down and reports)."""
+    ``grace_s``, stop the flow process (its ``finally`` still tears down and reports).
+
+    The grace covers the flow's own teardown: noticing the flag (a supervise poll), then, for a
+    run placed across nodes, waiting up to 30 s for every node's worker to stop its process
+    (``PlacedRun.stop``). Killing the flow sooner leaves the run without its final status."""
     import time
 
     from orchestration.trigger import flow_alive, kill_flow

@@ -59,3 +59,46 @@ def check_spec_allowed(*, user, spec: dict[str, Any]) -> None:
             "where code runs and what it reaches; use the defaults or ask an administrator",
             errors=[{"field": f"spec.{f}", "message": "administrators only"} for f in fields],
             status_code=403)
+
+
+def tiny_model_params(hidden_size: int, num_layers: int) -> int:
+    """Parameters of the tiny model (training_core.models.tiny): per layer four h x h attention
+    projections and three h x 2h MLP matrices, plus the (small) embeddings, rounded up."""
+    return num_layers * 10 * hidden_size * hidden_size + 512 * hidden_size
+
+
+def quota_errors(*, limits: dict[str, int], spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each field of a resolved spec over the project's maxima (webapp.accounts.selectors)."""
+    from webapp.accounts.selectors import QUOTA_FIELDS
+
+    errors = []
+    for name, path in QUOTA_FIELDS.items():
+        maximum = limits[name]
+        if path == "model":
+            if _get(spec, "model.path") != "tiny":
+                continue  # a registered pretrained model has its own, fixed size
+            hidden, layers = _get(spec, "model.hidden_size"), _get(spec, "model.num_layers")
+            params = tiny_model_params(hidden, layers)
+            if params > maximum:
+                errors.append({"field": "spec.model.hidden_size", "maximum": maximum,
+                               "message": f"a tiny model of hidden_size {hidden} and num_layers "
+                                          f"{layers} has about {params:,} parameters; this "
+                                          f"project's maximum is {maximum:,} ({name})"})
+        elif (value := _get(spec, path)) > maximum:
+            errors.append({"field": f"spec.{path}", "maximum": maximum,
+                           "message": f"{value:,} is over this project's maximum of {maximum:,} "
+                                      f"({name}); ask an administrator to raise it"})
+    return errors
+
+
+def check_quota(*, project, user, spec: dict[str, Any]) -> None:
+    """403 naming each field over the project's maxima; administrators are not bound."""
+    if getattr(user, "is_staff", False):
+        return
+    from webapp.accounts.selectors import project_quota_limits
+
+    errors = quota_errors(limits=project_quota_limits(project=project), spec=spec)
+    if errors:
+        raise ApplicationError("over the project's quota: " + "; ".join(
+            f"{e['field']} (maximum {e['maximum']:,})" for e in errors), errors=errors,
+            status_code=403)

@@ -43,6 +43,16 @@ def run_event_list(*, run: Run, after: int = 0, limit: int = 500) -> QuerySet[Ru
     return run.events.filter(id__gt=after).order_by("id")[:limit]
 
 
+def run_gateway(*, run: Run) -> dict | None:
+    """An online run's gateway: the URL its trainer announced (its latest ``gateway`` event; None
+    until the gateway is up) and the run key external agents present. None for other runs."""
+    if not run.gateway_key:
+        return None
+    event = run.events.filter(kind="gateway").order_by("-id").first()
+    url = (event.data or {}).get("url") if event is not None else None
+    return {"url": url if isinstance(url, str) else None, "run_key": run.gateway_key}
+
+
 def run_event_recent(*, run: Run, limit: int = 100) -> list[RunEvent]:
     """The newest events first (the run page's event log)."""
     return list(run.events.order_by("-id")[:limit])

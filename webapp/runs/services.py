@@ -3,19 +3,18 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from webapp.accounts.models import Project
+from webapp.config.celery import enqueue
 from webapp.core.errors import ApplicationError
 from webapp.core.json_input import json_check
-from webapp.config.celery import enqueue
 from webapp.datasets.models import DatasetVersion
 from webapp.datasets.selectors import dataset_version_prompt_template
 from webapp.rewards.models import RewardFunctionVersion
 from webapp.runs.models import Run, RunEvent, RunToken, token_hash
-from webapp.runs.policy import check_spec_allowed
+from webapp.runs.policy import check_quota, check_spec_allowed
 
 
 def run_spec_validate(*, spec: dict[str, Any]) -> dict[str, Any]:
@@ -80,10 +79,13 @@ def run_create(*, project: Project, user, name: str, dataset_version: DatasetVer
         spec["data"].setdefault("prompt_template", template)
     resolved = run_spec_validate(spec=spec)
     check_spec_allowed(user=user, spec=resolved)
+    check_quota(project=project, user=user, spec=resolved)
     resolved["reward"]["fn"] = reward_version.fn_path
+    online = (resolved.get("rollout") or {}).get("mode") == "online"
     run = Run.objects.create(project=project, name=name, dataset_version=dataset_version,
                              reward_version=reward_version, spec=resolved, created_by=user,
-                             sweep=sweep, sweep_values=sweep_values or {})
+                             sweep=sweep, sweep_values=sweep_values or {},
+                             gateway_key=secrets.token_urlsafe(32) if online else "")
     run_event_add(run=run, kind="created", message=f"run created by {user}")
     transaction.on_commit(lambda: enqueue("oolong.run_submit", run.id))
     return run

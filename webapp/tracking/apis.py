@@ -16,6 +16,7 @@ from rest_framework.exceptions import PermissionDenied, ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from training_core import metric_names as M
 from webapp.core.fields import BoundedText
 from webapp.core.json_input import json_check
 from webapp.core.params import int_param, list_param
@@ -23,7 +24,7 @@ from webapp.core.schema import errors, int_query, str_query
 from webapp.runs.apis import RunOutput, RunSpecOutput
 from webapp.runs.auth import IngestTokenAuthentication, RunIngestUser
 from webapp.runs.models import Run
-from webapp.runs.selectors import run_config_diff, run_get, runs_get
+from webapp.runs.selectors import run_config_diff, run_gateway, run_get, runs_get
 from webapp.runs.services import run_event_add, run_status_set
 from webapp.tracking.selectors import (
     X_AXES,
@@ -200,6 +201,8 @@ class RunInfoIngestApi(IngestApi):
         last_step = serializers.IntegerField(allow_null=True)
         reward = RunRewardOutput()
         sweep = RunSweepOutput(allow_null=True, help_text="the run's sweep, if any")
+        gateway_key = serializers.CharField(allow_blank=True, help_text=(
+            "online mode: the run key its gateway accepts (empty otherwise)"))
 
     @extend_schema(operation_id="ingest_run_retrieve", responses={200: Output, **errors(401)})
     def get(self, request):
@@ -211,7 +214,8 @@ class RunInfoIngestApi(IngestApi):
                          "reward": {"fn": run.reward_version.fn_path,
                                     "source": run.reward_version.source},
                          "sweep": ({"id": run.sweep.id, "share_warm_start": run.sweep.share_warm_start}
-                                   if run.sweep else None)})
+                                   if run.sweep else None),
+                         "gateway_key": run.gateway_key})
 
 
 class DatasetRowsIngestApi(IngestApi):
@@ -229,12 +233,24 @@ class DatasetRowsIngestApi(IngestApi):
 # ---- a user's view of a run's tracking data --------------------------------------------------
 
 
+class RunGatewayOutput(serializers.Serializer):
+    url = serializers.CharField(allow_null=True, help_text="null until the trainer's gateway is up")
+    run_key = serializers.CharField()
+
+
 class RunDetailOutput(RunSpecOutput):
     latest_metrics = serializers.SerializerMethodField()
+    gateway = serializers.SerializerMethodField(help_text=(
+        "online mode (rollout.mode: online): where external agents connect, and the run key "
+        "they present; null for other runs"))
 
     @extend_schema_field(serializers.DictField(child=serializers.FloatField()))
     def get_latest_metrics(self, run: Run) -> dict:
         return latest_metrics(run=run)
+
+    @extend_schema_field(RunGatewayOutput(allow_null=True))
+    def get_gateway(self, run: Run) -> dict | None:
+        return run_gateway(run=run)
 
 
 class RunDetailApi(APIView):
@@ -291,7 +307,7 @@ class RunMetricsApi(APIView):
                    responses={200: Output, **errors(400, 401, 404)})
     def get(self, request, run_id: int):
         run = run_get(user=request.user, run_id=run_id)
-        series = run_series(run=run, keys=_keys(request, ["reward/mean"]),
+        series = run_series(run=run, keys=_keys(request, [M.REWARD_MEAN]),
                             buckets=_buckets(request), x=_x(request))
         return Response({"run": run.id, "series": series})
 
@@ -372,7 +388,7 @@ def _target(request) -> float | None:
 
 def compare_response(request, runs: list[Run]) -> dict:
     """The comparison of ``runs`` as /api/runs/compare/ answers it (the sweep compare too)."""
-    keys = _keys(request, ["reward/mean", "eval/accuracy"])
+    keys = _keys(request, [M.REWARD_MEAN, M.EVAL_ACCURACY])
     buckets, x, target = _buckets(request), _x(request), _target(request)
     return {
         "runs": RunOutput(runs, many=True).data,

@@ -7,6 +7,7 @@ the result. It runs in a worker (the ``oolong.evaluation_run`` task), never in a
 
 from __future__ import annotations
 
+from training_core import metric_names as M
 from webapp.core.errors import ApplicationError
 from webapp.datasets.selectors import dataset_version_rows
 from webapp.runs.models import Run
@@ -37,9 +38,9 @@ def checkpoint_evaluate(*, run_id: int, checkpoint_step: int | None = None, limi
                                field="checkpoint_step")
     rows = dataset_version_rows(version=run.dataset_version)[-limit:]
     metrics = evaluate_weights(spec, run_model_dir(spec, run_dir), weights[version], rows)
-    accuracy = metrics["offline_eval/accuracy"]
+    accuracy = metrics[M.OFFLINE_EVAL_ACCURACY]
     metrics_ingest(run=run, points=[{"key": k, "step": version, "value": v}
-                                    for k, v in metrics.items() if k != "offline_eval/rows"])
+                                    for k, v in metrics.items() if k != M.OFFLINE_EVAL_ROWS])
     run_event_add(run=run, kind="evaluation", message=f"offline eval of v{version}: accuracy "
                                                       f"{accuracy:.3f} on {len(rows)} rows")
     return {"version": version, "accuracy": accuracy, "rows": len(rows)}

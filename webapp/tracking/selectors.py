@@ -9,6 +9,7 @@ from typing import Any
 from django.db import connection
 from django.db.models import Max, Sum
 
+from training_core import metric_names as M
 from webapp.runs.models import Run
 from webapp.tracking.models import (
     ROLLUP_LEVELS,
@@ -39,7 +40,7 @@ def run_glance(*, run: Run, latest: dict[str, float]) -> dict[str, Any]:
     :func:`latest_metrics`) and, for reward and eval accuracy, their first value (the change
     since the start)."""
     first = {}
-    for key in ("reward/mean", "eval/accuracy"):
+    for key in (M.REWARD_MEAN, M.EVAL_ACCURACY):
         value = (MetricPoint.objects.filter(run=run, key=key).order_by("step")
                  .values_list("value", flat=True).first())
         if value is not None:
@@ -137,6 +138,9 @@ def _series_batch(run: Run, keys: list[str], buckets: int) -> dict[str, dict[str
     return out
 
 
+_UNREAD = object()
+
+
 class _XAxis:
     """Turns a series' steps (and bucket times) into x values for one run."""
 
@@ -146,6 +150,7 @@ class _XAxis:
         self.run, self.x = run, x
         self._start: float | None = None
         self._tokens: tuple[list[int], list[float]] | None = None
+        self._first: Any = _UNREAD  # the first version point's time, when a caller read it
 
     def add(self, series: dict[str, Any]) -> dict[str, Any]:
         times = series.pop("time")
@@ -159,12 +164,18 @@ class _XAxis:
             series["x"] = [_interpolate(steps, totals, s) for s in series["step"]]
         return series
 
+    def first_known(self, first: float | None) -> None:
+        """The first ``version`` point's wall time (None: there is none), read by the caller."""
+        self._first = first
+
     def start(self, fallback: list[float]) -> float:
         """The wall time of the run's first step (its first ``version`` point: every trainer
         logs one), else the series' own first time."""
         if self._start is None:
-            first = (MetricPoint.objects.filter(run=self.run, key="version").order_by("step")
-                     .values_list("wall_time", flat=True).first())
+            first = self._first
+            if first is _UNREAD:
+                first = (MetricPoint.objects.filter(run=self.run, key="version").order_by("step")
+                         .values_list("wall_time", flat=True).first())
             self._start = first if first is not None else (min(fallback) if fallback else 0.0)
         return self._start
 
@@ -203,7 +214,7 @@ def _interpolate(xs: list[int], ys: list[float], at: int) -> float:
     return y0 + (ys[i] - y0) * (at - x0) / (xs[i] - x0)
 
 
-REWARD_KEY, EVAL_KEY, RATE_KEY = "reward/mean", "eval/accuracy", "tokens_per_s"
+REWARD_KEY, EVAL_KEY, RATE_KEY = M.REWARD_MEAN, M.EVAL_ACCURACY, M.TOKENS_PER_S
 FINAL_POINTS = 10  # the final reward is the mean of the last this many steps
 
 
@@ -212,22 +223,54 @@ def runs_compare(*, runs: list[Run], keys: list[str], buckets: int = 300, x: str
     """What a comparison shows: every run's series of ``keys`` on one x-axis, and
     :func:`run_summaries` (its reward curve comes from the same read)."""
     axes = {r.id: _XAxis(r, x) for r in runs}
+    tails = _tails_and_firsts(runs, axes)
     found = {r.id: _series_batch(r, [*keys, REWARD_KEY], buckets) for r in runs}
     return {"series": {r.id: [axes[r.id].add(dict(found[r.id][k])) for k in keys] for r in runs},
-            "summary": run_summaries(runs=runs, target=target, axes=axes,
+            "summary": run_summaries(runs=runs, target=target, axes=axes, tails=tails,
                                      rewards={rid: f[REWARD_KEY] for rid, f in found.items()})}
+
+
+def _tails_and_firsts(runs: list[Run], axes: dict[int, _XAxis]) -> dict[int, list[float]]:
+    """Each run's last FINAL_POINTS rewards (latest first), and into its axis the wall time of
+    its first ``version`` point, in one statement (an index scan per run and item): two round
+    trips per run before, the ones that cost the most when the database is busy
+    (benchmarks/web_load.py)."""
+    table = MetricPoint._meta.db_table
+    parts, params = [], []
+    for i, run in enumerate(runs):
+        # Each LIMIT sits in a subquery of its own: a compound statement allows it there only.
+        parts.append(f"SELECT * FROM (SELECT 0 AS item, run_id, step, value FROM {table} "
+                     f"WHERE run_id = %s AND key = %s ORDER BY step DESC LIMIT {FINAL_POINTS}) AS t{i}")
+        parts.append(f"SELECT * FROM (SELECT 1 AS item, run_id, step, wall_time FROM {table} "
+                     f"WHERE run_id = %s AND key = %s ORDER BY step LIMIT 1) AS f{i}")
+        params += [run.id, REWARD_KEY, run.id, M.VERSION]
+    tails: dict[int, list[tuple[int, float]]] = {r.id: [] for r in runs}
+    firsts: dict[int, float] = {}
+    if parts:
+        with connection.cursor() as cur:
+            cur.execute(" UNION ALL ".join(parts), params)
+            for item, run_id, step, value in cur.fetchall():
+                if item == 0:
+                    tails[run_id].append((step, value))
+                else:
+                    firsts[run_id] = value
+    for run in runs:
+        axes[run.id].first_known(firsts.get(run.id))
+    return {rid: [v for _, v in sorted(t, reverse=True)] for rid, t in tails.items()}
 
 
 def run_summaries(*, runs: list[Run], target: float | None = None,
                   axes: dict[int, _XAxis] | None = None,
-                  rewards: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
+                  rewards: dict[int, dict[str, Any]] | None = None,
+                  tails: dict[int, list[float]] | None = None) -> dict[str, Any]:
     """What a comparison answers at a glance, per run: final reward (mean of the last
     FINAL_POINTS steps), final and best eval accuracy, mean tokens/s, steps and wall time, and
     the time (and step) the reward first reached ``target`` (smoothed over 5 points; default:
     90% of the best final reward among the runs). ``{"target": ..., "rows": [...]}``.
 
     A few queries for all runs together (evals, rates, last steps from the rollup blocks) and
-    two per run (its last rewards, its first step's time); ``axes`` and ``rewards`` pass in what
+    two per run (its last rewards, its first step's time; :func:`runs_compare` reads those for
+    all runs in one and passes ``tails``); ``axes`` and ``rewards`` pass in what
     the caller has read already."""
     axes = axes or {r.id: _XAxis(r, "time") for r in runs}
     rewards = rewards or {r.id: _series_batch(r, [REWARD_KEY], 300)[REWARD_KEY] for r in runs}
@@ -245,8 +288,9 @@ def run_summaries(*, runs: list[Run], target: float | None = None,
     for run in runs:
         start = axes[run.id].start(rewards[run.id]["time"])
         curves[run.id] = {**rewards[run.id], "x": [t - start for t in rewards[run.id]["time"]]}
-        tail = list(MetricPoint.objects.filter(run=run, key=REWARD_KEY).order_by("-step")
-                    .values_list("value", flat=True)[:FINAL_POINTS])
+        tail = tails[run.id] if tails is not None else list(
+            MetricPoint.objects.filter(run=run, key=REWARD_KEY).order_by("-step")
+            .values_list("value", flat=True)[:FINAL_POINTS])
         points = sorted(evals[run.id])
         best = max(points, key=lambda p: (p[1], -p[0]), default=None)
         last = lasts.get(run.id)
@@ -256,7 +300,7 @@ def run_summaries(*, runs: list[Run], target: float | None = None,
             "final_reward": sum(tail) / len(tail) if tail else None,
             "final_eval": points[-1][1] if points else None,
             "best_eval": best[1] if best else None, "best_eval_step": best[0] if best else None,
-            "tokens_per_s": rates.get(run.id),
+            M.TOKENS_PER_S: rates.get(run.id),
         })
     finals = [r["final_reward"] for r in rows if r["final_reward"] is not None]
     if target is None and finals:

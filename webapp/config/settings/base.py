@@ -42,7 +42,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
+    "knox",  # user API tokens, hashed, with expiry (webapp.accounts.auth)
     "django_filters",
     "drf_spectacular",
     "drf_spectacular_sidecar",
@@ -122,14 +122,34 @@ import plotly as _plotly  # noqa: E402
 
 STATICFILES_DIRS = [("plotly", str(Path(_plotly.__file__).parent / "package_data"))]  # serve app static (plotly.js) without collectstatic in dev
 
-# Failed logins (page and API token endpoint) per client address, counted in the cache.
+# Failed logins (page and API token endpoint) per username and client address, counted in the
+# cache (webapp.core.throttle).
 LOGIN_FAILURE_LIMIT = int(os.environ.get("OOLONG_LOGIN_FAILURE_LIMIT", "10"))
 LOGIN_FAILURE_WINDOW_S = 300
+# Proxies whose X-Forwarded-For names the client (addresses or networks, comma separated): only
+# requests from these have the header believed. Empty: the connection's address is the client.
+TRUSTED_PROXIES = [p.strip() for p in os.environ.get("OOLONG_TRUSTED_PROXIES", "").split(",")
+                   if p.strip()]
+
+# User API tokens: digests only, an expiry, at most API_TOKENS_PER_USER live per user (a new one
+# replaces the oldest: every request checks the user's tokens for expiry).
+from datetime import timedelta  # noqa: E402
+
+REST_KNOX = {"TOKEN_TTL": timedelta(days=int(os.environ.get("OOLONG_API_TOKEN_TTL_DAYS", "30"))),
+             "AUTO_REFRESH": False}
+API_TOKENS_PER_USER = int(os.environ.get("OOLONG_API_TOKENS_PER_USER", "20"))
 # One cache for every web process in production (the throttle counts must be shared).
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
                       "LOCATION": os.environ["DJANGO_CACHE_URL"]}
           if os.environ.get("DJANGO_CACHE_URL") else
           {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
+# What a project's members may ask of the machines when an administrator set nothing else for
+# the project (Django admin, Project > quota): a fresh project cannot start 500 rollout servers.
+PROJECT_QUOTA_DEFAULTS = {
+    name: int(os.environ.get(f"OOLONG_QUOTA_{name.upper()}", default)) for name, default in (
+        ("max_servers", "4"), ("max_reward_workers", "8"), ("max_concurrent", "1024"),
+        ("max_new_tokens", "4096"), ("max_steps", "100000"), ("max_model_params", "50000000"))}
 
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
@@ -141,6 +161,8 @@ DATASET_MAX_UPLOAD_BYTES = int(os.environ.get("OOLONG_DATASET_MAX_UPLOAD_MB", "5
 DATASET_MAX_ROWS = int(os.environ.get("OOLONG_DATASET_MAX_ROWS", "1000000"))
 DATASET_MAX_DECOMPRESSED_BYTES = int(os.environ.get("OOLONG_DATASET_MAX_DECOMPRESSED_MB", "512")) << 20
 DATASET_PARSE_MEMORY_BYTES = int(os.environ.get("OOLONG_DATASET_PARSE_MEMORY_MB", "1536")) << 20
+# One field of one row (a question, an answer, any extra column), in characters.
+DATASET_MAX_CELL_CHARS = int(os.environ.get("OOLONG_DATASET_MAX_CELL_CHARS", "131072"))
 DATA_UPLOAD_MAX_MEMORY_SIZE = 10 * 1024 * 1024
 FILE_UPLOAD_MAX_MEMORY_SIZE = 5 * 1024 * 1024
 FILE_UPLOAD_HANDLERS = [

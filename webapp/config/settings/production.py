@@ -16,5 +16,27 @@ if not os.environ.get("DJANGO_SECRET_KEY"):
 from webapp.config.settings.base import *  # noqa: E402,F403
 
 DEBUG = False
-SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = os.environ.get("DJANGO_SECURE_COOKIES", "1") == "1"
-SECURE_HSTS_SECONDS = int(os.environ.get("DJANGO_HSTS_SECONDS", "0"))
+
+
+def _flag(name: str, default: str) -> bool:
+    return os.environ.get(name, default) == "1"
+
+
+# HTTPS only: cookies never travel in clear, plain HTTP is redirected, browsers remember for a
+# year. Behind a proxy that terminates TLS, DJANGO_SECURE_PROXY_SSL_HEADER=1 trusts its
+# X-Forwarded-Proto (only then: a client could send the header itself). A plain-HTTP trial on
+# loopback sets DJANGO_SECURE_SSL_REDIRECT=0 and DJANGO_SECURE_COOKIES=0.
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = _flag("DJANGO_SECURE_COOKIES", "1")
+SECURE_SSL_REDIRECT = _flag("DJANGO_SECURE_SSL_REDIRECT", "1")
+SECURE_HSTS_SECONDS = int(os.environ.get("DJANGO_HSTS_SECONDS", str(365 * 24 * 3600)))
+SECURE_HSTS_INCLUDE_SUBDOMAINS = _flag("DJANGO_HSTS_INCLUDE_SUBDOMAINS", "0")
+if _flag("DJANGO_SECURE_PROXY_SSL_HEADER", "0"):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SESSION_COOKIE_HTTPONLY = True
+
+# The login throttle counts in the cache: every web process must see the same counts, so a
+# process-local cache is refused (see base.CACHES).
+if CACHES["default"]["BACKEND"].endswith("LocMemCache"):  # noqa: F405
+    raise ImproperlyConfigured(
+        "DJANGO_CACHE_URL is not set: production needs a cache shared by every web process (the "
+        "login throttle counts failures in it), e.g. DJANGO_CACHE_URL=redis://127.0.0.1:6379/2")

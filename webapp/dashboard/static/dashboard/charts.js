@@ -127,6 +127,7 @@
           (info.extracted == null ? "none found" : info.extracted) +
           (info.dropped_stale ? " · dropped from the loss (too stale)" : "")));
       }
+      if (Array.isArray(info.turns) && info.turns.length) d.appendChild(conversation(info.turns));
       s.tokens.forEach((tok, i) => {
         const span = el("span", {class: "tok"}, tok);
         const v = s.token_versions[i] ?? 0;
@@ -136,6 +137,31 @@
       });
       box.appendChild(d);
     }
+  }
+  // An agent's segment turn by turn (gateway/credit.py): the messages the agent added (user
+  // turns, tool results), what the model answered, its tool calls, the turn's return and the
+  // policy versions its tokens came from. Text only (textContent): it is the agent's output.
+  function conversation(turns) {
+    const ol = el("ol", {class: "turns"});
+    for (const t of turns) {
+      const li = el("li", {class: "turn"});
+      const versions = (t.versions || []).join(", ");
+      li.appendChild(el("div", {class: "turn-head"}, `turn ${t.turn} · return ` +
+        `${Number(t.return ?? 0).toFixed(3)} · versions ${versions || "-"} · ${t.finish_reason}` +
+        (t.tool_parse_failed ? " · tool call not parsed" : "")));
+      for (const m of t.new_messages || []) {
+        const who = m.role === "tool" ? "tool result" + (m.tool_call_id ? ` (${m.tool_call_id})` : "") : m.role;
+        const text = typeof m.content === "string" ? m.content : JSON.stringify(m.content);
+        li.appendChild(el("div", {class: "msg " + m.role}, `${who}: ${text}`));
+      }
+      li.appendChild(el("div", {class: "msg assistant"}, `assistant: ${t.completion}`));
+      for (const call of t.tool_calls || []) {
+        const f = call.function || {};
+        li.appendChild(el("div", {class: "msg tool-call"}, `→ ${f.name}(${f.arguments})`));
+      }
+      ol.appendChild(li);
+    }
+    return ol;
   }
   async function refreshEvents(runId) {
     const events = await getJSON(`/api/runs/${runId}/events/`);
