@@ -9,7 +9,6 @@ the web app is imported on the trainer's side.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 from typing import Any
 
@@ -19,7 +18,8 @@ TASK = "oolong.reward_score"
 
 
 class CeleryRewardBackend:
-    def __init__(self, fn_path: str, *, timeout_s: float = 30.0):
+    def __init__(self, fn_path: str, *, timeout_s: float = 30.0, extract: str = "auto",
+                 source: str | None = None):
         broker = os.environ.get("OOLONG_REWARD_BROKER_URL") or os.environ.get("CELERY_BROKER_URL")
         backend = os.environ.get("OOLONG_REWARD_RESULT_BACKEND") or os.environ.get("CELERY_RESULT_BACKEND")
         if not broker or not backend:
@@ -27,23 +27,15 @@ class CeleryRewardBackend:
                              "OOLONG_REWARD_RESULT_BACKEND (the Celery broker and result backend)")
         self.fn_path = fn_path
         self.timeout_s = timeout_s
+        self.extract = extract
+        # User reward code travels with the task (workers have no copy of the run directory); the
+        # pool has read it already.
+        self.source = source or ""
         self.app = Celery("oolong-trainer", broker=broker, backend=backend)
-        self.source = self._user_source(fn_path)
-
-    @staticmethod
-    def _user_source(fn_path: str) -> str:
-        """User reward code travels with the task (workers have no copy of the run directory)."""
-        module = fn_path.partition(":")[0]
-        if module == "builtin":
-            return ""
-        spec = importlib.util.find_spec(module)
-        if spec is None or spec.origin is None:
-            raise ValueError(f"reward.fn {fn_path!r}: module {module!r} not found")
-        with open(spec.origin) as fh:
-            return fh.read()
 
     async def score(self, completion: str, item: dict[str, Any]) -> tuple[float, str | None]:
-        result = self.app.send_task(TASK, args=[self.fn_path, self.source, completion, item])
+        result = self.app.send_task(TASK, args=[self.fn_path, self.source, completion, item],
+                                    kwargs={"extract": self.extract})
         body = await asyncio.to_thread(result.get, timeout=self.timeout_s, propagate=True)
         return float(body.get("reward", 0.0)), body.get("error")
 

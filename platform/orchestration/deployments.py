@@ -1,40 +1,40 @@
 """Register the node deployments a placed run uses, in the process work pool its nodes serve:
-``rollout-server/<pool>``, ``trainer/<pool>`` and ``warm-start/<pool>`` (flows/node_processes.py). Each node's worker
-serves its own queue of that pool (``node-<index>``), so a flow run lands on the node its queue
-names. The training-run flow calls this before placing (idempotent); by hand:
+``rollout-server/<pool>``, ``trainer/<pool>`` and ``warm-start/<pool>`` (flows/node_processes.py).
+Each node's worker serves its own queue of that pool (``node-<index>``), so a flow run lands on
+the node its queue names. The training-run flow calls this before placing (idempotent); by hand:
 
     PREFECT_API_URL=... python -m orchestration.deployments --pool oolong-nodes
+
+The deployments name the flows by the installed package's module path
+(``orchestration.flows.node_processes.trainer_node``), with no pull step and no path: a node runs
+whatever ``oolong`` its worker's Python has installed, never a directory of the control machine
+(nodes install the package elsewhere, and share no disk with it).
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-
-PLATFORM = Path(__file__).resolve().parents[1]
-ROOT = PLATFORM.parent
-NODE_FLOWS = [  # flow names: rollout-server, trainer, warm-start
-    "orchestration/flows/node_processes.py:rollout_server",
-    "orchestration/flows/node_processes.py:trainer_node",
-    "orchestration/flows/node_processes.py:warm_start_node",
-]
 
 
-def deploy_node_flows(pool: str, *, code_dir: Path = ROOT) -> list[str]:
-    """Create or update the deployments; the flow code is read from ``code_dir`` on each node
-    (the same install everywhere; run directories are per node, ``OOLONG_RUNS_DIR``)."""
-    from prefect import Flow
+def node_deployments(pool: str) -> list:
+    """The three node deployments, by module path (see the module's docstring)."""
+    from prefect.deployments.runner import EntrypointType
 
+    from orchestration.flows.node_processes import rollout_server, trainer_node, warm_start_node
+
+    return [flow.to_deployment(name=pool, work_pool_name=pool,
+                               entrypoint_type=EntrypointType.MODULE_PATH)
+            for flow in (rollout_server, trainer_node, warm_start_node)]
+
+
+def deploy_node_flows(pool: str) -> list[str]:
+    """Create or update the deployments (idempotent); returns ``<flow>/<pool>`` names."""
     names = []
-    for entrypoint in NODE_FLOWS:
-        flow = Flow.from_source(source=str(code_dir / "platform"), entrypoint=entrypoint)
-        # to_deployment + apply: Flow.deploy's "no worker online yet" hint fails against
-        # Prefect 3.8.8's server (a 422 on its worker filter) before any worker starts.
-        flow.to_deployment(
-            name=pool, work_pool_name=pool,
-            job_variables={"env": {"PYTHONPATH": f"{code_dir}:{code_dir / 'platform'}"}},
-        ).apply(work_pool_name=pool)
-        names.append(f"{flow.name}/{pool}")
+    for deployment in node_deployments(pool):
+        # apply, not Flow.deploy: deploy's "no worker online yet" hint fails against Prefect
+        # 3.8.8's server (a 422 on its worker filter) before any worker starts.
+        deployment.apply(work_pool_name=pool)
+        names.append(f"{deployment.flow_name}/{pool}")
     return names
 
 

@@ -3,9 +3,8 @@
 on the queue of the node that runs it, ``node-<index>``, in the pool the run's nodes serve.
 Watched and cancelled through Prefect's API; the ``training-run`` flow decides.
 
-Placement: the trainer on the first ``orchestration.placement.trainer_nodes`` nodes (one
-launcher each, rank 0 on the first), the servers round-robin on ``server_nodes`` (default: the
-other nodes, or all of them when the trainer uses every node).
+Placement: ``placement.plan`` (per GPU: the trainer's ranks per node, each server's GPUs and
+tensor-parallel size), refused before anything starts when it does not fit.
 """
 
 from __future__ import annotations
@@ -14,15 +13,20 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from uuid import UUID
 
-import httpx
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, WorkQueueFilter
+from prefect.client.schemas.sorting import FlowRunSort
 from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from prefect.states import Cancelling
 from prefect.variables import Variable
 
 from orchestration.flows.node_processes import master_variable, server_variable, wait_variable
+from orchestration.placement import Placement, PlacementError, plan  # noqa: F401 - re-exported
+from orchestration.probe import probe
 from orchestration.providers.base import NodeInventory, node_queue
 from orchestration.supervise import Outcome
 from orchestration.tracker import Tracker
@@ -31,27 +35,6 @@ from training_core.http import wait_healthy
 
 POOL_ENV = "OOLONG_NODE_POOL"  # the pool static nodes' workers serve
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-
-
-@dataclass
-class Placement:
-    trainer_nodes: list[int]
-    server_nodes: list[int]  # one entry per server
-
-
-def plan(spec: RunSpec, inventory: NodeInventory) -> Placement:
-    n = len(inventory.nodes)
-    wanted = spec.orchestration.placement
-    if wanted.trainer_nodes > n:
-        raise ValueError(f"orchestration.placement.trainer_nodes is {wanted.trainer_nodes} but "
-                         f"the provider gave {n} node(s)")
-    trainers = list(range(wanted.trainer_nodes))
-    pool = wanted.server_nodes or [i for i in range(n) if i not in trainers] or list(range(n))
-    bad = [i for i in pool if not 0 <= i < n]
-    if bad:
-        raise ValueError(f"orchestration.placement.server_nodes {bad}: nodes are 0..{n - 1}")
-    servers = [pool[i % len(pool)] for i in range(spec.rollout.num_servers)]
-    return Placement(trainers, servers)
 
 
 @dataclass(frozen=True)
@@ -116,9 +99,10 @@ class PlacedRun:
     def start_servers(self, timeout_s: float = 600.0) -> list[str]:
         for name in self._variables():  # a previous attempt's announcements mean nothing now
             Variable.unset(name)
-        for i, node in enumerate(self.placement.server_nodes):
-            self.servers.append(self._place(f"rollout-server/{self.pool}", node,
-                                            f"rollout server {i}", index=i))
+        for slot in self.placement.servers:
+            self.servers.append(self._place(f"rollout-server/{self.pool}", slot.node,
+                                            f"rollout server {slot.index}", index=slot.index,
+                                            gpus=list(slot.gpus)))
         urls = self.urls
         deadline = time.monotonic() + timeout_s
         for i, server in enumerate(self.servers):
@@ -139,11 +123,12 @@ class PlacedRun:
                     raise
 
     def start_trainers(self, urls: list[str], *, resume: bool = False) -> None:
-        nnodes = len(self.placement.trainer_nodes)
-        for rank, node in enumerate(self.placement.trainer_nodes):
+        nnodes = len(self.placement.trainers)
+        for slot in self.placement.trainers:
             self.trainers.append(self._place(
-                f"trainer/{self.pool}", node, f"trainer node {rank}", node_rank=rank, nnodes=nnodes,
-                server_urls=urls, resume=resume))
+                f"trainer/{self.pool}", slot.node, f"trainer node {slot.node_rank}",
+                node_rank=slot.node_rank, nnodes=nnodes, server_urls=urls, resume=resume,
+                gpus=list(slot.gpus)))
 
     def _state(self, process: PlacedProcess) -> tuple[str, str]:
         """The flow run's state type and its message, from one read."""
@@ -154,29 +139,65 @@ class PlacedRun:
     def state(self, process: PlacedProcess) -> str:
         return self._state(process)[0]
 
+    def _states(self, processes: list[PlacedProcess]) -> dict[PlacedProcess, tuple[str, str]]:
+        """Every process's flow-run state in one API call (not one per process: at 64 nodes
+        that was the poll's cost)."""
+        if not processes:
+            return {}
+        with get_client(sync_client=True) as client:
+            # sort given: Prefect 3.8.8's server refuses the client's null sort (422)
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                id=FlowRunFilterId(any_=[p.flow_run_id for p in processes])),
+                sort=FlowRunSort.ID_DESC, limit=len(processes))
+        by_id = {r.id: r for r in runs}
+        out = {}
+        for p in processes:
+            run = by_id.get(p.flow_run_id)
+            out[p] = ((run.state.type.value, run.state.message or "") if run and run.state
+                      else ("PENDING", ""))
+        return out
+
     def supervise(self, tracker: Tracker, *, poll_s: float = 2.0) -> Outcome:
         """Until the trainers finish, one of the run's processes ends early, a server stops
         answering for ``orchestration.heartbeat_timeout_s`` (a node that died takes its worker
         with it, and nobody reports its flow runs' end), or a cancel."""
-        timeout = self.spec.orchestration.heartbeat_timeout_s
+        orch = self.spec.orchestration
+        timeout = orch.heartbeat_timeout_s
+        lost_after = min(orch.server_lost_after_s, timeout)
         last_seen = [time.monotonic()] * len(self.urls)
+        used = sorted({p.node for p in self.trainers + self.servers})
         unread = object()
         first_step = last_step = unread  # first_step: where this attempt started (a resume's)
         progressed = time.monotonic()
         while True:
+            # every server at once, bounded by the probe timeout (not one after another)
+            answers = probe(self.urls, timeout_s=orch.probe_timeout_s).infos
             now = time.monotonic()
-            for i, url in enumerate(self.urls):
-                if _model_info(url) is not None:
+            for i, (url, info) in enumerate(zip(self.urls, answers, strict=True)):
+                if info is not None:
                     last_seen[i] = now
-                elif now - last_seen[i] > timeout:
+                elif now - last_seen[i] > lost_after:
                     return Outcome("failed", f"{self.servers[i].what} ({url}) has not answered "
-                                             f"for {timeout:.0f}s: the node is gone or unreachable")
-            states = {p: self._state(p) for p in self.trainers + self.servers}
+                                             f"for {lost_after:.0f}s: the node is gone or "
+                                             "unreachable", recoverable=True,
+                                   lost_nodes=(self.servers[i].node,))
+            # A node that died took its worker along: its queue is no longer polled.
+            ages = queue_ages(self.pool)
+            for node in used:
+                age = ages.get(node_queue(node))
+                if age is not None and age > orch.worker_lost_after_s:
+                    what = ", ".join(p.what for p in self.trainers + self.servers
+                                     if p.node == node)
+                    return Outcome("failed", f"{node_queue(node)} lost ({what}): its worker has "
+                                             f"not polled for {age:.0f}s", recoverable=True,
+                                   lost_nodes=(node,))
+            states = self._states(self.trainers + self.servers)
             if all(states[p][0] == "COMPLETED" for p in self.trainers):
                 return Outcome("succeeded")
             for p, (state, message) in states.items():
                 if state in TERMINAL and not (p in self.trainers and state == "COMPLETED"):
-                    return Outcome("failed", f"{p.what} ended: {state} {message}".strip())
+                    return Outcome("failed", f"{p.what} ended: {state} {message}".strip(),
+                                   recoverable=state in {"FAILED", "CRASHED"})
             try:
                 info = tracker.run_info()
             except Exception:  # noqa: BLE001 - the web app may be restarting; ask again
@@ -194,12 +215,14 @@ class PlacedRun:
                     last_step, progressed = step, now
                 elif step != first_step and now - progressed > timeout:
                     return Outcome("failed", f"the trainer ({', '.join(p.what for p in self.trainers)}) "
-                                             f"made no progress for {timeout:.0f}s")
+                                             f"made no progress for {timeout:.0f}s",
+                                   recoverable=True)
             time.sleep(poll_s)
 
     def server_versions(self) -> list[str]:
         """Each server's ``weight_version`` (``/model_info``); "?" where it does not answer."""
-        return [str((_model_info(url) or {}).get("weight_version", "?")) for url in self.urls]
+        infos = probe(self.urls, timeout_s=self.spec.orchestration.probe_timeout_s).infos
+        return [str((info or {}).get("weight_version", "?")) for info in infos]
 
     def stop(self, timeout_s: float = 30.0) -> list[str]:
         """Cancel every placed flow run (each node's worker stops its process); returns what
@@ -217,17 +240,66 @@ class PlacedRun:
             Variable.unset(name)
         return [p.what for p in pending]
 
+    def reset(self, placement: Placement) -> None:
+        """A fresh attempt on another placement (after ``stop``): nothing placed yet."""
+        self.placement = placement
+        self.servers, self.trainers, self.jobs, self.urls = [], [], [], []
 
-def _model_info(url: str) -> dict | None:
-    """A server's ``/model_info``, None when it does not answer. Not /health: SGLang's health
-    check generates a token and fails while generation is paused for a weight push."""
-    try:
-        resp = httpx.get(url + "/model_info", timeout=5.0)
-    except httpx.HTTPError:
-        return None
-    if resp.status_code != 200:
-        return None
-    try:
-        return resp.json()
-    except ValueError:  # it answers, without a version to report
-        return {}
+
+def queue_ages(pool: str) -> dict[str, float | None]:
+    """Seconds since each queue of ``pool`` was last polled by a worker (None: never), in one
+    API call; empty while the pool does not exist (no worker has created it yet)."""
+    with get_client(sync_client=True) as client:
+        try:
+            # every argument given: Prefect 3.8.8's server refuses the client's nulls (422)
+            queues = client.read_work_queues(work_pool_name=pool,
+                                             work_queue_filter=WorkQueueFilter(), limit=200,
+                                             offset=0)
+        except ObjectNotFound:
+            return {}
+    now = datetime.now(UTC)
+    return {q.name: (now - q.last_polled).total_seconds() if q.last_polled else None
+            for q in queues}
+
+
+def online_nodes(pool: str, count: int, fresh_s: float) -> list[int]:
+    """The nodes (of ``count``) whose worker polled its queue within ``fresh_s``."""
+    ages = queue_ages(pool)
+    return [i for i in range(count)
+            if (age := ages.get(node_queue(i))) is not None and age <= fresh_s]
+
+
+def wait_nodes_online(pool: str, nodes: list[int], *, timeout_s: float, fresh_s: float,
+                      cancelled: Callable[[], bool] = lambda: False, poll_s: float = 2.0) -> bool:
+    """Until every node in ``nodes`` has a worker polling its queue (cloud nodes come up minutes
+    after ``terraform apply``, and their worker creates the pool). False when cancelled
+    meanwhile; raises, naming the missing nodes, after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _ensure_queues(pool, [node_queue(i) for i in nodes])
+        online = set(online_nodes(pool, max(nodes, default=-1) + 1, fresh_s))
+        missing = [node_queue(i) for i in nodes if i not in online]
+        if not missing:
+            return True
+        if cancelled():
+            return False
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"nodes {missing} have no worker online in work pool {pool!r} after "
+                f"{timeout_s:.0f}s (orchestration.nodes_online_timeout_s): start their workers "
+                f"(prefect worker start --pool {pool} --work-queue <node>) or read their setup "
+                "log (cloud-init: /var/log/cloud-init-output.log)")
+        time.sleep(poll_s)
+
+
+def _ensure_queues(pool: str, names: list[str]) -> None:
+    """Create the nodes' queues in ``pool`` once it exists (a worker polling a queue that does
+    not exist gets a 404 and never marks it polled). Nothing while the pool does not exist."""
+    with get_client(sync_client=True) as client:
+        for name in names:
+            try:
+                client.create_work_queue(name=name, work_pool_name=pool)
+            except ObjectAlreadyExists:
+                continue
+            except ObjectNotFound:  # no pool yet: its first worker creates it
+                return

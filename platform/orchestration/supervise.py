@@ -27,6 +27,8 @@ from training_core.processes import Fleet, ManagedProcess
 class Outcome:
     status: str  # succeeded | failed | cancelled
     reason: str = ""
+    recoverable: bool = False  # a placed run may resume from the durable store elsewhere
+    lost_nodes: tuple[int, ...] = ()  # nodes not to place on again
 
 
 def describe_exit(returncode: int) -> str:

@@ -10,10 +10,12 @@ Modes (OOLONG_PREFECT_MODE):
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,9 +41,32 @@ def prefect_env() -> dict[str, str]:
     paths = [str(ROOT), str(ROOT / "platform"), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     # Flows and trainers never get the web app's database or broker credentials.
-    for secret in ("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "DJANGO_SECRET_KEY"):
+    for secret in ("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "DJANGO_SECRET_KEY",
+                   "DJANGO_CACHE_URL"):
         env.pop(secret, None)
     return env
+
+
+def prefect_database_ready(env: dict[str, str]) -> bool:
+    """Create or migrate the local engine's database once, under a lock; True if this call did.
+
+    In local mode every flow starts Prefect's ephemeral server on one SQLite database under
+    PREFECT_HOME. Two first starts at once (the runs of a sweep) race on creating it: one fails
+    with "index ... already exists" and its run never reports, so it stays queued."""
+    home = Path(env["PREFECT_HOME"])
+    home.mkdir(parents=True, exist_ok=True)
+    marker = home / f".oolong-migrated-{version('prefect')}"
+    if marker.exists():
+        return False
+    with open(home / ".oolong-migrate.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if marker.exists():
+            return False
+        subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
+                       env=env, check=True, capture_output=True, timeout=600,
+                       stdin=subprocess.DEVNULL)
+        marker.touch()
+        return True
 
 
 def submit_training_run(*, run_id: int, tracker_url: str, ingest_token: str,
@@ -61,6 +86,8 @@ def submit_training_run(*, run_id: int, tracker_url: str, ingest_token: str,
     runs_dir = flow_run_dir(run_id)
     runs_dir.mkdir(parents=True, exist_ok=True)
     env = prefect_env()
+    if "PREFECT_API_URL" not in env:  # the ephemeral engine: its database must exist first
+        prefect_database_ready(env)
     env["OOLONG_INGEST_TOKEN"] = ingest_token  # not on the command line (visible in ps)
     env["OOLONG_RUN_ID"] = str(run_id)  # inherited by every process of the run (teardown checks)
     proc = subprocess.Popen(

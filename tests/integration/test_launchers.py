@@ -2,30 +2,39 @@
 
 import sys
 
-from orchestration.launchers import trainer_command
-from orchestration.providers import Node, NodeInventory
+import pytest
+
+from training_core.launch import trainer_command
 
 
 def test_one_process_runs_without_the_launcher(tmp_path):
-    cmd = trainer_command(tmp_path / "spec.yaml", ["http://a:1"], NodeInventory([Node("127.0.0.1")]), tmp_path)
+    cmd = trainer_command(tmp_path / "spec.yaml", ["http://a:1"], tmp_path)
     assert cmd[:3] == [sys.executable, "-m", "training_core.cli"]
     assert "rollout.server_urls=[http://a:1]" in cmd and "metrics.report_status=false" in cmd
 
 
-def test_several_gpu_nodes_use_the_deepspeed_launcher_with_a_hostfile(tmp_path):
-    inv = NodeInventory([Node("10.0.0.5", gpus=8, private_address="10.0.0.5"),
-                         Node("10.0.0.6", gpus=8, private_address="10.0.0.6")])
-    cmd = trainer_command(tmp_path / "spec.yaml", ["http://a:1", "http://b:1"], inv, tmp_path)
-    assert cmd[0].endswith("deepspeed")
-    assert cmd[cmd.index("--hostfile") + 1] == str(tmp_path / "hostfile")
-    assert (tmp_path / "hostfile").read_text() == "10.0.0.5 slots=8\n10.0.0.6 slots=8\n"
-    assert cmd[cmd.index("--master_addr") + 1] == "10.0.0.5"
+def test_several_gpus_run_one_rank_each_under_torchrun(tmp_path):
+    cmd = trainer_command(tmp_path / "spec.yaml", ["http://a:1", "http://b:1"], tmp_path, nproc=4)
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[cmd.index("--nproc_per_node") + 1] == "4" and "--standalone" in cmd
     assert "--module" in cmd and "rollout.server_urls=[http://a:1,http://b:1]" in cmd
 
 
+def test_several_nodes_join_the_first_ones_rendezvous(tmp_path):
+    cmd = trainer_command(tmp_path / "spec.yaml", ["http://a:1"], tmp_path, nproc=8, nnodes=2,
+                          node_rank=1, master=("10.0.0.5", 29500),
+                          overrides=("weight_sync=distributed",))
+    assert "--standalone" not in cmd
+    for flag, value in {"--nproc_per_node": "8", "--nnodes": "2", "--node_rank": "1",
+                        "--master_addr": "10.0.0.5", "--master_port": "29500"}.items():
+        assert cmd[cmd.index(flag) + 1] == value
+    assert cmd[-1] == "weight_sync=distributed"
+    with pytest.raises(ValueError, match="master"):
+        trainer_command(tmp_path / "spec.yaml", [], tmp_path, nproc=1, nnodes=2)
+
+
 def test_resume_uses_the_run_directory(tmp_path):
-    cmd = trainer_command(tmp_path / "spec.yaml", ["http://a:1"], NodeInventory([Node("x")]), tmp_path,
-                          resume=True)
+    cmd = trainer_command(tmp_path / "spec.yaml", ["http://a:1"], tmp_path, resume=True)
     assert cmd[cmd.index("--resume") + 1] == str(tmp_path)
 
 
@@ -60,3 +69,15 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+def test_sglang_runs_from_its_own_environment(monkeypatch):
+    """SGLang 0.5.23 pins a torch the trainer's does not: nodes install it apart and say where."""
+    from training_core.launch import sglang_server_command
+
+    monkeypatch.delenv("OOLONG_SGLANG_PYTHON", raising=False)
+    assert sglang_server_command("/m", 30000)[0] == sys.executable
+    monkeypatch.setenv("OOLONG_SGLANG_PYTHON", "/opt/sglang/venv/bin/python")
+    cmd = sglang_server_command("/m", 30000, tp=4)
+    assert cmd[:3] == ["/opt/sglang/venv/bin/python", "-m", "sglang.launch_server"]
+    assert cmd[cmd.index("--tp-size") + 1] == "4"

@@ -192,7 +192,9 @@ def test_two_servers_on_two_nodes_and_a_two_node_trainer_learn(nodes, stack, ari
     assert f"rollout servers end at weight_version {steps}, {steps}" in [
         m for k, m in _events(run_id) if k == "fleet"]
     placements = [m for k, m in _events(run_id) if k == "placement"]
-    assert placements == ["rollout server 0 on node-1", "rollout server 1 on node-2"]
+    assert placements == ["placement plan: trainer node 0 on node-0: 1 rank(s); trainer node 1 "
+                          "on node-1: 1 rank(s); rollout server 0 on node-1; rollout server 1 "
+                          "on node-2"]
     wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")
 
 
@@ -221,6 +223,7 @@ def test_a_node_that_dies_fails_the_run_naming_it_and_nothing_is_left(nodes, sta
     run_id = create_run(admin, "node-dies", trainer={"steps": 500, "batch_groups": 2},
                         rollout={"num_servers": 2},
                         orchestration={"provider": "static", "heartbeat_timeout_s": 10,
+                                       "max_restarts": 0,
                                        "placement": {"trainer_nodes": 1, "server_nodes": [1, 2]}})
     wait_for(lambda: run_status(run_id) == "running", 300, "the run to start")
     server_log = nodes["dirs"][2] / "runs" / "flows" / f"run-{run_id}" / "logs" / "rollout-server-1.log"
@@ -256,6 +259,7 @@ def test_a_failed_run_resumes_on_a_fresh_node_from_the_durable_store(nodes, stac
                         trainer={"steps": steps, "batch_groups": 2},
                         checkpoint={"every": 2, "keep": 2}, rollout={"num_servers": 2},
                         orchestration={"provider": "static", "heartbeat_timeout_s": 15,
+                                       "max_restarts": 0,  # resumed by hand below
                                        "placement": {"trainer_nodes": 1, "server_nodes": [1, 2]}})
     stored = nodes["store"] / f"run-{run_id}" / "checkpoints"
     wait_for(lambda: any(stored.glob("step*/COMPLETE")), 300, "a checkpoint in the store")
@@ -281,3 +285,40 @@ def test_a_failed_run_resumes_on_a_fresh_node_from_the_durable_store(nodes, stac
     last = MetricPoint.objects.filter(run=run, key="version").order_by("-step").first()
     assert last.step == steps and last.value == steps
     wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")
+
+
+def test_a_lost_trainer_node_is_recovered_automatically_with_steps_continuous(nodes, stack, admin):
+    """The trainer's node dies (its worker and processes, SIGKILL) after a checkpoint reached
+    the store: the flow sees its worker stop polling, places the run again on the nodes still
+    online and resumes from the store, by itself; the run finishes with every step once."""
+    from webapp.runs.models import Run
+    from webapp.tracking.models import MetricPoint
+
+    steps = 24
+    run_id = create_run(admin, "recovers", trainer={"steps": steps, "batch_groups": 2},
+                        checkpoint={"every": 2, "keep": 2}, rollout={"num_servers": 2},
+                        orchestration={"provider": "static", "heartbeat_timeout_s": 120,
+                                       "worker_lost_after_s": 15, "max_restarts": 1,
+                                       "placement": {"trainer_nodes": 1, "server_nodes": [1, 2]}})
+    stored = nodes["store"] / f"run-{run_id}" / "checkpoints"
+    wait_for(lambda: any(stored.glob("step*/COMPLETE")), 300, "a checkpoint in the store")
+    _kill_node(nodes, 0)
+    wait_for(lambda: run_status(run_id) in ("failed", "succeeded", "cancelled"), 900,
+             "the run to end")
+    run = Run.objects.get(id=run_id)
+    assert run.status == "succeeded", (run.status_reason, _events(run_id)[-10:])
+    assert run.attempt == 1  # nobody pressed resume
+    recoveries = [m for k, m in _events(run_id) if k == "recovery"]
+    assert len(recoveries) == 1 and "node-0 lost (trainer node 0 on node-0)" in recoveries[0], \
+        recoveries
+    assert "recovery 1/1" in recoveries[0] and "node-1, node-2" in recoveries[0]
+    plans = [m for k, m in _events(run_id) if k == "placement"]
+    assert plans[-1].startswith("placement plan: trainer node 0 on node-1"), plans
+    run_dir = nodes["dirs"][1] / "runs" / "flows" / f"run-{run_id}"
+    assert (run_dir / "logs" / "trainer.log").exists(), "the trainer moved to node-1"
+    assert any((run_dir / "checkpoints").glob("step*/COMPLETE")), "resumed from the store"
+    trained = sorted(set(MetricPoint.objects.filter(run=run, key="version")
+                         .values_list("step", flat=True)))
+    assert trained == list(range(1, steps + 1))  # continuous: no step missing
+    wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")
+

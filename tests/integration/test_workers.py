@@ -61,12 +61,24 @@ def test_remote_reward_backend_scores_on_the_worker_pool(stack, monkeypatch, tmp
                              remote_backend="orchestration.celery_rewards:CeleryRewardBackend")
         user = RewardPool("tests.training_core.rewards_for_tests:digit_reward", executor="remote",
                           timeout_s=60, remote_backend="orchestration.celery_rewards:CeleryRewardBackend")
+        # reward.extract travels with the task: the tagged answer (7) is right, the last number (8)
+        # is not.
+        tagged = RewardPool("builtin:arithmetic", executor="remote", timeout_s=60, extract="answer_tag",
+                            remote_backend="orchestration.celery_rewards:CeleryRewardBackend")
+        last = RewardPool("builtin:arithmetic", executor="remote", timeout_s=60, extract="last_number",
+                          remote_backend="orchestration.celery_rewards:CeleryRewardBackend")
+        pools = (builtin, user, tagged, last)
+        completion = "<answer>7</answer> (not 8)"
         try:
             return (await builtin.score("3,7", {"answer": "7"}), await builtin.score("3,8", {"answer": "7"}),
-                    await user.score("a1b2", {"answer": "x"}))
+                    await user.score("a1b2", {"answer": "x"}),
+                    await tagged.score(completion, {"answer": "7"}),
+                    await last.score(completion, {"answer": "7"}))
         finally:
-            builtin.close(), user.close()
+            for pool in pools:
+                pool.close()
 
-    right, wrong, digits = asyncio.run(scenario())
+    right, wrong, digits, by_tag, by_last = asyncio.run(scenario())
     assert right.reward == 1.0 and wrong.reward == 0.0
+    assert by_tag.reward == 1.0 and by_last.reward == 0.0
     assert digits.reward == 0.5 and digits.error is None  # user code ran in the worker's sandbox

@@ -62,11 +62,13 @@ def _supervised(monkeypatch, steps, timeout_s: float):
     from uuid import uuid4
 
     from orchestration.placed import PlacedProcess, PlacedRun, Placement
+    from orchestration.placement import TrainerSlot
 
     spec = load_spec(None, [f"orchestration.heartbeat_timeout_s={timeout_s}"])
-    run = PlacedRun(1, "http://web", "token", spec, _nodes(2), Placement([0], []), "pool")
+    run = PlacedRun(1, "http://web", "token", spec, _nodes(2), Placement((TrainerSlot(0, 0, ()),), ()), "pool")
     run.trainers = [PlacedProcess("trainer node 0 on node-0", 0, uuid4())]
-    monkeypatch.setattr(PlacedRun, "_state", lambda self, p: ("RUNNING", ""))
+    monkeypatch.setattr(PlacedRun, "_states", lambda self, ps: {p: ("RUNNING", "") for p in ps})
+    monkeypatch.setattr("orchestration.placed.queue_ages", lambda pool: {})  # workers: polling
     tracker = _Tracker(steps)
     tracker.start = time.monotonic()
     outcome = run.supervise(tracker, poll_s=0.02)
@@ -87,3 +89,147 @@ def test_a_fresh_trainer_that_stops_stepping_fails_the_run(monkeypatch):
     outcome, took = _supervised(monkeypatch, lambda t: None if t < 0.5 else (1 if t < 0.7 else 2),
                                 timeout_s=0.3)
     assert outcome.status == "failed" and took >= 0.9
+
+
+# ---- per-GPU placement: nodes that declare their GPU counts ----------------------------------
+
+def _gpu_nodes(*gpus: int) -> NodeInventory:
+    return NodeInventory([Node(address=f"127.0.0.{i + 2}", gpus=g) for i, g in enumerate(gpus)])
+
+
+def _launch(spec, placement, tmp_path, monkeypatch):
+    """What each placed process is started with: argv and environment, built by the one
+    launcher exactly as the node flows build them."""
+    from training_core.launch import run_env, server_command, trainer_command
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nnodes = len(placement.trainers)
+    out = {}
+    for s in placement.servers:
+        out[f"server {s.index}"] = (server_command(spec, "/m", 30000 + s.index, s.index,
+                                                   host=f"127.0.0.{s.node + 2}"),
+                                    run_env(tmp_path, 7, s.gpus))
+    for t in placement.trainers:
+        out[f"trainer {t.node_rank}"] = (
+            trainer_command(tmp_path / "spec.yaml", ["http://x:1"], tmp_path, nproc=t.nproc,
+                            nnodes=nnodes, node_rank=t.node_rank, master=("127.0.0.2", 29500)),
+            run_env(tmp_path, 7, t.gpus))
+    return out
+
+
+def _arg(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_servers_own_tp_gpus_each_and_the_trainer_the_node(tmp_path, monkeypatch):
+    spec = load_spec(None, ["rollout.backend=sglang", "rollout.num_servers=4", "rollout.tp=2"])
+    p = plan(spec, _gpu_nodes(8, 8))
+    assert [(s.node, s.gpus) for s in p.servers] == [(1, (0, 1)), (1, (2, 3)), (1, (4, 5)),
+                                                      (1, (6, 7))]
+    procs = _launch(spec, p, tmp_path, monkeypatch)
+    for i in range(4):
+        cmd, env = procs[f"server {i}"]
+        assert _arg(cmd, "--tp-size") == "2" and _arg(cmd, "--host") == "127.0.0.3"
+        assert env["CUDA_VISIBLE_DEVICES"] == f"{2 * i},{2 * i + 1}"
+        assert env["OOLONG_RUN_ID"] == "7"
+    cmd, env = procs["trainer 0"]
+    assert _arg(cmd, "--nproc_per_node") == "8" and "--standalone" in cmd
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+    assert p.bundles().count({"CPU": 1.0, "GPU": 1.0}) == 8
+    assert p.bundles()[8:] == [{"CPU": 1.0, "GPU": 2.0}] * 4
+
+
+def test_eight_by_eight_uses_every_gpu(tmp_path, monkeypatch):
+    spec = load_spec(None, ["rollout.backend=sglang", "rollout.num_servers=16", "rollout.tp=2",
+                            "orchestration.placement.trainer_nodes=4"])
+    p = plan(spec, _gpu_nodes(*[8] * 8))
+    used = {(t.node, g) for t in p.trainers for g in t.gpus} | {
+        (s.node, g) for s in p.servers for g in s.gpus}
+    assert len(used) == 64  # nothing owned twice, nothing idle
+    assert [t.nproc for t in p.trainers] == [8, 8, 8, 8]
+    assert sorted({s.node for s in p.servers}) == [4, 5, 6, 7]
+    procs = _launch(spec, p, tmp_path, monkeypatch)
+    for rank in range(4):
+        cmd, _ = procs[f"trainer {rank}"]
+        assert (_arg(cmd, "--nnodes"), _arg(cmd, "--node_rank"), _arg(cmd, "--nproc_per_node")) \
+            == ("4", str(rank), "8")
+
+
+def test_servers_and_trainer_share_a_node_without_sharing_a_gpu(tmp_path, monkeypatch):
+    spec = load_spec(None, ["rollout.backend=sglang", "rollout.num_servers=2", "rollout.tp=2"])
+    p = plan(spec, _gpu_nodes(8))
+    assert [s.gpus for s in p.servers] == [(0, 1), (2, 3)]
+    assert p.trainers[0].gpus == (4, 5, 6, 7)
+    procs = _launch(spec, p, tmp_path, monkeypatch)
+    assert _arg(procs["trainer 0"][0], "--nproc_per_node") == "4"
+    assert procs["trainer 0"][1]["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    spec = load_spec(None, ["rollout.num_servers=2", "rollout.tp=2",
+                            "orchestration.placement.trainer_gpus_per_node=2"])
+    assert plan(spec, _gpu_nodes(8)).trainers[0].gpus == (4, 5)
+
+
+def test_nodes_without_gpus_run_one_rank_and_any_servers(tmp_path, monkeypatch):
+    spec = load_spec(None, ["rollout.num_servers=3"])
+    p = plan(spec, _gpu_nodes(0, 0))
+    assert [(s.node, s.gpus) for s in p.servers] == [(1, ()), (1, ()), (1, ())]
+    procs = _launch(spec, p, tmp_path, monkeypatch)
+    cmd, env = procs["trainer 0"]
+    assert cmd[1:3] == ["-m", "training_core.cli"]  # one process: no launcher
+    assert "CUDA_VISIBLE_DEVICES" not in env
+    assert all("CUDA_VISIBLE_DEVICES" not in env for cmd, env in procs.values())
+
+
+def test_plans_that_do_not_fit_are_refused_naming_what_is_missing():
+    from orchestration.placement import PlacementError
+
+    spec = load_spec(None, ["rollout.num_servers=3", "rollout.tp=4"])
+    with pytest.raises(PlacementError, match=r"rollout.num_servers=3 with rollout.tp=4 needs 12 "
+                                             r"GPUs.*server 2 .*'node-1': 0"):
+        plan(spec, _gpu_nodes(8, 8))
+    spec = load_spec(None, ["rollout.num_servers=2", "rollout.tp=2"])
+    with pytest.raises(PlacementError, match=r"trainer node 0 \(node-0\).*has 0 free of 4 \(4 "
+                                             r"owned by rollout servers\)"):
+        plan(spec, _gpu_nodes(4))
+    spec = load_spec(None, ["orchestration.placement.trainer_gpus_per_node=16"])
+    with pytest.raises(PlacementError, match="needs 16 GPU.*trainer_gpus_per_node"):
+        plan(spec, _gpu_nodes(8, 8))
+    with pytest.raises(PlacementError, match=r"nodes \['node-1'\] declare no GPU"):
+        plan(load_spec(None, []), _gpu_nodes(8, 0))
+    spec = load_spec(None, ["orchestration.placement.trainer_nodes=2",
+                            "orchestration.placement.server_nodes=[0]", "rollout.tp=2"])
+    with pytest.raises(PlacementError, match=r"\[6, 8\] ranks each.*trainer_gpus_per_node"):
+        plan(spec, _gpu_nodes(8, 8))
+
+
+def test_the_plan_for_the_run_page():
+    spec = load_spec(None, ["rollout.num_servers=1", "rollout.tp=2"])
+    p = plan(spec, StaticNodeProvider("127.0.0.2:2,127.0.0.3:2").provision(7, {}))
+    assert p.as_dict() == {
+        "trainers": [{"node": "node-0", "node_rank": 0, "nproc_per_node": 2, "gpus": [0, 1]}],
+        "servers": [{"index": 0, "node": "node-1", "tp": 2, "gpus": [0, 1]}]}
+    assert p.describe() == ["trainer node 0 on node-0: 2 rank(s), GPUs 0,1",
+                            "rollout server 0 on node-1: tp 2, GPUs 0,1"]
+
+
+def test_a_recovery_plans_on_the_nodes_still_online():
+    spec = load_spec(None, ["rollout.num_servers=2", "orchestration.placement.server_nodes=[1, 2]"])
+    inventory = _gpu_nodes(2, 2, 2)
+    p = plan(spec, inventory, available=[1, 2])  # node-0 (the trainer's) was lost
+    assert [(s.node, s.gpus) for s in p.servers] == [(1, (0,)), (2, (0,))]
+    assert p.trainer_nodes == [1] and p.trainers[0].gpus == (1,)  # node-1's GPU the server left
+    p = plan(spec, inventory, available=[0, 1])  # node-2 (a server's) was lost
+    assert p.trainer_nodes == [0] and [(s.node, s.gpus) for s in p.servers] == [(1, (0,)), (1, (1,))]
+    from orchestration.placement import PlacementError
+
+    with pytest.raises(PlacementError, match="no node is online"):
+        plan(spec, inventory, available=[])
+
+
+def test_one_machine_that_cannot_split_its_gpus_shares_them():
+    from orchestration.placement import PlacementError, shared_plan
+
+    spec = load_spec(None, ["rollout.num_servers=1"])
+    with pytest.raises(PlacementError):
+        plan(spec, _gpu_nodes(1))  # the server would take the only GPU
+    p = shared_plan(spec, _gpu_nodes(1))
+    assert p.trainers[0].gpus == (0,) and [s.gpus for s in p.servers] == [()]

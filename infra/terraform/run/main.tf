@@ -11,6 +11,17 @@ module "pool" {
   prefect_api_url     = var.prefect_api_url
   work_pool           = "oolong-run-${var.run_id}"
   control_plane_cidrs = var.control_plane_cidrs
+  prefect_api_port    = local.prefect_api_port
+  server_port_range   = var.server_port_range
+  checkpoint_bucket   = var.checkpoint_bucket
+  checkpoint_prefix   = var.checkpoint_prefix
+  checkpoint_run_key  = "run-${var.run_id}"
   ssh_allowed_cidrs   = var.ssh_allowed_cidrs
   tags                = { "oolong:run" = tostring(var.run_id) }
+}
+
+locals {
+  # The port the nodes' workers reach the Prefect API on (the security group opens it).
+  prefect_port_match = regexall("^https?://[^/:]+:([0-9]+)", var.prefect_api_url)
+  prefect_api_port   = length(local.prefect_port_match) > 0 ? tonumber(local.prefect_port_match[0][0]) : (startswith(var.prefect_api_url, "https://") ? 443 : 80)
 }

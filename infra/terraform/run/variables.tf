@@ -57,3 +57,22 @@ variable "ssh_allowed_cidrs" {
   description = "Operator networks allowed on SSH."
   default     = []
 }
+
+variable "checkpoint_bucket" {
+  type        = string
+  description = "S3 bucket of the durable checkpoint store; the nodes may use only this run's prefix. Empty = no store."
+  default     = ""
+}
+
+variable "checkpoint_prefix" {
+  type        = string
+  description = "Key prefix of the store in checkpoint_bucket."
+  default     = "oolong"
+}
+
+variable "server_port_range" {
+  type        = object({ from = number, to = number })
+  description = "Ports the nodes' servers and trainer listen on, open to the control plane."
+  default     = { from = 30000, to = 30999 }
+}
+

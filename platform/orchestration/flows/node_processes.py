@@ -2,8 +2,8 @@
 
 - ``rollout-server``: one rollout server bound to this node's address, announced to the
   ``training-run`` flow through a Prefect variable once healthy.
-- ``trainer``: this node's trainer launcher (``torch.distributed.run``, one per node; rank 0 on
-  the first trainer node owns the rollout side).
+- ``trainer``: this node's trainer launcher (``torch.distributed.run``, one per node, with one
+  rank per GPU given to training; rank 0 on the first trainer node owns the rollout side).
 - ``warm-start``: the spec's supervised warm start, on the first trainer node, before anything
   else starts; the model goes to the durable store, and every node fetches it from there.
 
@@ -25,11 +25,11 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.variables import Variable
 
-from orchestration.launchers import run_env, server_command, train_args, warm_start
+from orchestration.launchers import warm_start
 from orchestration.trigger import flow_run_dir
 from training_core.checkpoint_store import STORE_ENV, CheckpointStore
 from training_core.config import RunSpec
-from training_core.launch import free_port, server_process
+from training_core.launch import free_port, run_env, server_command, server_process, trainer_command
 from training_core.models.loading import run_model_dir
 from training_core.processes import ManagedProcess
 from training_core.remote_run import prepare_remote_run
@@ -103,7 +103,9 @@ def _run_until_exit(proc: ManagedProcess, what: str) -> None:
 
 @flow(name="rollout-server")
 def rollout_server(run_id: int, tracker_url: str, ingest_token: str, index: int,
-                   health_timeout_s: float = 300.0) -> None:
+                   gpus: list[int] | None = None, health_timeout_s: float = 300.0) -> None:
+    """Rollout server ``index`` on the GPUs the placement plan gave it (``gpus``, this node's
+    indices; none on a node without GPUs)."""
     logger = get_run_logger()
     run_dir = flow_run_dir(run_id)
     spec, _ = prepare_node_run(tracker_url, ingest_token, run_dir)
@@ -113,7 +115,7 @@ def rollout_server(run_id: int, tracker_url: str, ingest_token: str, index: int,
                          parent_pid=os.getpid())
     proc = server_process(f"rollout server {index}", cmd, url,
                           run_dir / "logs" / f"rollout-server-{index}.log",
-                          run_env(run_dir, run_id)).start()
+                          run_env(run_dir, run_id, gpus)).start()
     proc.wait_healthy(health_timeout_s)
     Variable.set(server_variable(run_id, index), url, overwrite=True)
     logger.info("rollout server %d serving at %s", index, url)
@@ -122,8 +124,10 @@ def rollout_server(run_id: int, tracker_url: str, ingest_token: str, index: int,
 
 @flow(name="trainer")
 def trainer_node(run_id: int, tracker_url: str, ingest_token: str, node_rank: int, nnodes: int,
-                 server_urls: list[str], resume: bool = False,
+                 server_urls: list[str], resume: bool = False, gpus: list[int] | None = None,
                  rendezvous_timeout_s: float = 300.0) -> None:
+    """This node's trainer ranks: one per GPU the placement plan gave to training (``gpus``),
+    one on a node without GPUs."""
     run_dir = flow_run_dir(run_id)
     _, spec_path = prepare_node_run(tracker_url, ingest_token, run_dir)
     if node_rank == 0:  # the first trainer node hosts the rendezvous on a port free here
@@ -134,12 +138,11 @@ def trainer_node(run_id: int, tracker_url: str, ingest_token: str, node_rank: in
                                                 rendezvous_timeout_s).rpartition(":")
         master_port = int(port)
     # A resume on fresh nodes finds its checkpoint in the durable store (OOLONG_CHECKPOINT_STORE).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-           "--node_rank", str(node_rank), "--nproc_per_node", "1", "--master_addr",
-           master_address, "--master_port", str(master_port), "--module", "training_core.cli",
-           *train_args(spec_path, server_urls, run_dir, resume=resume), "weight_sync=distributed"]
+    cmd = trainer_command(spec_path, server_urls, run_dir, nproc=max(len(gpus or ()), 1),
+                          nnodes=nnodes, node_rank=node_rank, master=(master_address, master_port),
+                          resume=resume, overrides=("weight_sync=distributed",))
     proc = ManagedProcess(f"trainer node {node_rank}", cmd, run_dir / "logs" / "trainer.log",
-                          env=run_env(run_dir, run_id)).start()
+                          env=run_env(run_dir, run_id, gpus)).start()
     _run_until_exit(proc, f"trainer node {node_rank}")
 
 

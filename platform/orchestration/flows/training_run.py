@@ -23,17 +23,17 @@ from prefect.cache_policies import NO_CACHE
 
 from orchestration import launchers
 from orchestration.deployments import deploy_node_flows
-from orchestration.launchers import run_env, server_command, trainer_command
-from orchestration.placed import PlacedRun, node_pool, plan
+from orchestration.placed import PlacedRun, node_pool, online_nodes, wait_nodes_online
+from orchestration.placement import Placement, PlacementError, plan, shared_plan
 from orchestration.providers import NodeInventory, get_provider
 from orchestration.providers.base import node_queue
 from orchestration.supervise import Outcome, supervise
 from orchestration.tracker import Tracker
 from orchestration.trigger import flow_run_dir, sweep_dir
-from training_core.checkpoint import pushed_weights
+from training_core.checkpoint import current_weights
 from training_core.config import RunSpec
 from training_core.engines.rollout_client import RolloutClient
-from training_core.launch import free_port, server_process
+from training_core.launch import free_port, run_env, server_command, server_process, trainer_command
 from training_core.models.loading import run_model_dir
 from training_core.processes import Fleet, ManagedProcess, stop_all
 
@@ -63,17 +63,20 @@ def warm_start(spec: RunSpec, spec_path: Path, run_dir: Path,
 
 
 @task(name="start-rollout-fleet", cache_policy=NO_CACHE)  # side effects: never cached
-def start_rollout_fleet(spec: RunSpec, run_dir: Path, inventory: NodeInventory) -> Fleet:
+def start_rollout_fleet(spec: RunSpec, run_dir: Path, inventory: NodeInventory,
+                        placement: Placement) -> Fleet:
     model_dir = str(run_model_dir(spec, run_dir))
     fleet = Fleet(urls=[])
     host = inventory.head.address
-    for i in range(spec.rollout.num_servers):
+    for slot in placement.servers:
         port = free_port()
         url = f"http://{host}:{port}"
         fleet.urls.append(url)
+        cmd = server_command(spec, model_dir, port, slot.index, parent_pid=os.getpid())
         fleet.servers.append(server_process(
-            f"rollout server {i}", server_command(spec, model_dir, port, i, parent_pid=os.getpid()), url,
-            run_dir / "logs" / f"rollout-server-{i}.log", run_env(run_dir)).start())
+            f"rollout server {slot.index}", cmd, url,
+            run_dir / "logs" / f"rollout-server-{slot.index}.log",
+            run_env(run_dir, gpus=slot.gpus)).start())
     return fleet
 
 
@@ -83,11 +86,13 @@ def wait_fleet_healthy(fleet: Fleet, timeout_s: float = 300.0) -> None:
 
 
 @task(name="start-trainer", cache_policy=NO_CACHE)  # side effects: never cached
-def start_trainer(spec_path: Path, fleet: Fleet, inventory: NodeInventory,
+def start_trainer(spec_path: Path, fleet: Fleet, placement: Placement,
                   run_dir: Path, resume: bool = False) -> ManagedProcess:
-    cmd = trainer_command(spec_path, fleet.urls, inventory, run_dir, resume=resume)
+    slot = placement.trainers[0]
+    cmd = trainer_command(spec_path, fleet.urls, run_dir, nproc=slot.nproc, resume=resume)
     (run_dir / "trainer.cmd").write_text(" ".join(cmd))
-    return ManagedProcess("trainer", cmd, run_dir / "logs" / "trainer.log", env=run_env(run_dir)).start()
+    return ManagedProcess("trainer", cmd, run_dir / "logs" / "trainer.log",
+                          env=run_env(run_dir, gpus=slot.gpus)).start()
 
 
 @task(name="tear-down", cache_policy=NO_CACHE)  # side effects: never cached
@@ -100,10 +105,10 @@ def load_current_weights(run_dir: Path, url: str) -> None:
     """Bring a restarted server to the trainer's latest pushed weights (``weight_sync: disk``),
     checking its reply. With ``distributed`` the trainer rebuilds its weight group with the
     server before its next push (it sees the server's older ``weight_version``)."""
-    pushed = pushed_weights(run_dir)
-    if not pushed:
+    current = current_weights(run_dir)
+    if current is None:
         return
-    version, path = pushed[-1]
+    version, path = current
 
     async def load() -> None:
         client = RolloutClient([url])
@@ -116,20 +121,57 @@ def load_current_weights(run_dir: Path, url: str) -> None:
 
 
 def run_placed(placed: PlacedRun, tracker: Tracker, *, resume: bool = False) -> Outcome:
-    """The run across nodes: servers on theirs, then one trainer launcher per trainer node."""
+    """The run across nodes: once the nodes' workers are online, servers on theirs, then one
+    trainer launcher per trainer node. A lost node or process is recovered automatically: the
+    run resumes from the durable store on the nodes still online, up to
+    ``orchestration.max_restarts`` times, each recovery an event."""
     spec = placed.spec
+    orch = spec.orchestration
     if spec.rollout.server_urls:
         raise ValueError("rollout.server_urls: a placed run starts its own servers")
-    deploy_node_flows(placed.pool)
+
+    def cancelled() -> bool:
+        return bool(tracker.run_info().get("cancel_requested"))
+
+    needed = sorted(set(placed.placement.trainer_nodes + placed.placement.server_nodes))
+    tracker.event("nodes", f"waiting for the workers of {', '.join(map(node_queue, needed))} in "
+                           f"pool {placed.pool} (at most {orch.nodes_online_timeout_s:.0f}s)")
+    if not wait_nodes_online(placed.pool, needed, timeout_s=orch.nodes_online_timeout_s,
+                             fresh_s=orch.worker_lost_after_s, cancelled=cancelled):
+        return Outcome("cancelled", "cancelled by user")
+    deploy_node_flows(placed.pool)  # into the pool the nodes' workers created
     if spec.model.warm_start_seconds > 0:
         node = node_queue(placed.placement.trainer_nodes[0])
         tracker.event("warm_start", f"supervised warm start for at most "
                                     f"{spec.model.warm_start_seconds:.0f}s on {node}; every node "
                                     "fetches the model from the durable store")
-        if not placed.warm_start(lambda: bool(tracker.run_info().get("cancel_requested"))):
+        if not placed.warm_start(cancelled):
             return Outcome("cancelled", "cancelled by user")
-    for i, node in enumerate(placed.placement.server_nodes):
-        tracker.event("placement", f"rollout server {i} on {node_queue(node)}")
+    restarts = 0
+    lost: set[int] = set()
+    while True:
+        outcome = _placed_attempt(placed, tracker, resume=resume)
+        if not (outcome.status == "failed" and outcome.recoverable
+                and restarts < orch.max_restarts):
+            return outcome
+        restarts += 1
+        lost |= set(outcome.lost_nodes)
+        left = placed.stop()
+        online = [i for i in online_nodes(placed.pool, len(placed.inventory.nodes),
+                                          orch.worker_lost_after_s) if i not in lost]
+        placement = plan(spec, placed.inventory, available=online)
+        tracker.event("recovery", f"{outcome.reason.splitlines()[0]}; resuming from the durable "
+                                  f"store on {', '.join(map(node_queue, online))} (recovery "
+                                  f"{restarts}/{orch.max_restarts})" + (
+                                      f"; not stopped in time: {left}" if left else ""),
+                      lost=[node_queue(n) for n in sorted(lost)])
+        tracker.event("placement", "placement plan: " + "; ".join(placement.describe()),
+                      plan=placement.as_dict())
+        placed.reset(placement)
+        resume = True
+
+
+def _placed_attempt(placed: PlacedRun, tracker: Tracker, *, resume: bool) -> Outcome:
     urls = placed.start_servers()
     tracker.event("fleet", f"{len(urls)} rollout server(s) healthy", urls=urls)
     placed.start_trainers(urls, resume=resume)
@@ -163,9 +205,18 @@ def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str
         tracker.event("flow", f"flow started ({how}); run directory {run_dir}")
         inventory = provision_nodes(provider, run_id, info["spec"])
         spec, spec_path = prepare_run(tracker_url, ingest_token, run_dir)
+        try:  # refused here, before any process, if it cannot fit
+            placement = plan(spec, inventory)
+        except PlacementError as exc:
+            if len(inventory.nodes) > 1:
+                raise
+            placement = shared_plan(spec, inventory)  # one machine: its GPUs are shared
+            tracker.event("placement", f"GPUs shared by the trainer and the servers ({exc})")
+        tracker.event("placement", "placement plan: " + "; ".join(placement.describe()),
+                      plan=placement.as_dict())
         if len(inventory.nodes) > 1:  # every process on a node's work queue
             placed = PlacedRun(run_id, tracker_url, ingest_token, spec, inventory,
-                               plan(spec, inventory), node_pool(run_id, inventory))
+                               placement, node_pool(run_id, inventory))
             outcome = run_placed(placed, tracker, resume=resume)
             return outcome.status
         sweep = info.get("sweep") or {}
@@ -176,11 +227,11 @@ def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str
                                             f", shared with the runs of sweep {sweep['id']}"
                                             if share else ""))
         warm_start(spec, spec_path, run_dir, share)
-        procs.fleet = start_rollout_fleet(spec, run_dir, inventory)
+        procs.fleet = start_rollout_fleet(spec, run_dir, inventory, placement)
         wait_fleet_healthy(procs.fleet)
         tracker.event("fleet", f"{len(procs.fleet.urls)} rollout server(s) healthy",
                       urls=procs.fleet.urls)
-        procs.trainer = start_trainer(spec_path, procs.fleet, inventory, run_dir, resume)
+        procs.trainer = start_trainer(spec_path, procs.fleet, placement, run_dir, resume)
         tracker.status("running")
         tracker.event("trainer", f"trainer started (pid {procs.trainer.pid})")
 

@@ -6,6 +6,11 @@ locals {
   }
   gpus = var.gpus_per_node > 0 ? var.gpus_per_node : lookup(local.known_gpus, var.instance_type, 1)
   tags = merge({ "oolong:pool" = var.name, "managed-by" = "oolong-terraform" }, var.tags)
+  # The store URL the nodes get; the run's folder (checkpoint_run_key) is added by the
+  # orchestration's CheckpointStore under it.
+  store_root   = trim(var.checkpoint_prefix, "/")
+  store_prefix = join("/", compact([local.store_root, var.checkpoint_run_key]))
+  store_url    = var.checkpoint_bucket != "" ? "s3://${join("/", compact([var.checkpoint_bucket, local.store_root]))}" : ""
 }
 
 data "aws_ami" "deep_learning" {
@@ -120,9 +125,9 @@ resource "aws_route_table_association" "pool" {
   route_table_id = aws_route_table.pool.id
 }
 
-# Only what the fleet needs: all traffic between pool members (NCCL, rollout HTTP, the DeepSpeed
-# launcher), the rollout port from the control plane, SSH from the given CIDRs, and egress for
-# packages and the Prefect/tracker APIs.
+# Only what the fleet needs: all traffic between pool members (NCCL, rollout HTTP, the trainer's
+# rendezvous), the server port range from the control plane, SSH from the given CIDRs, and egress
+# for packages (443, 80) and to the Prefect API on the control plane.
 resource "aws_security_group" "pool" {
   name        = "${var.name}-nodes"
   description = "Oolong GPU node pool ${var.name}"
@@ -137,13 +142,13 @@ resource "aws_vpc_security_group_ingress_rule" "intra_pool" {
   ip_protocol                  = "-1"
 }
 
-resource "aws_vpc_security_group_ingress_rule" "rollout_from_control_plane" {
+resource "aws_vpc_security_group_ingress_rule" "servers_from_control_plane" {
   for_each          = toset(var.control_plane_cidrs)
   security_group_id = aws_security_group.pool.id
-  description       = "Rollout server HTTP from the control plane"
+  description       = "Rollout servers and the trainer (the server port range) from the control plane"
   cidr_ipv4         = each.value
-  from_port         = var.rollout_port
-  to_port           = var.rollout_port
+  from_port         = var.server_port_range.from
+  to_port           = var.server_port_range.to
   ip_protocol       = "tcp"
 }
 
@@ -163,6 +168,25 @@ resource "aws_vpc_security_group_egress_rule" "https" {
   cidr_ipv4         = "0.0.0.0/0"
   from_port         = 443
   to_port           = 443
+  ip_protocol       = "tcp"
+}
+
+resource "aws_vpc_security_group_egress_rule" "http" {
+  security_group_id = aws_security_group.pool.id
+  description       = "Package mirrors served over plain HTTP (apt)"
+  cidr_ipv4         = "0.0.0.0/0"
+  from_port         = 80
+  to_port           = 80
+  ip_protocol       = "tcp"
+}
+
+resource "aws_vpc_security_group_egress_rule" "prefect_api" {
+  for_each          = toset(var.control_plane_cidrs)
+  security_group_id = aws_security_group.pool.id
+  description       = "The Prefect API on the control plane (the node's worker)"
+  cidr_ipv4         = each.value
+  from_port         = var.prefect_api_port
+  to_port           = var.prefect_api_port
   ip_protocol       = "tcp"
 }
 
@@ -191,6 +215,32 @@ resource "aws_iam_role" "node" {
 resource "aws_iam_role_policy_attachment" "ssm" {
   role       = aws_iam_role.node.name
   policy_arn = "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"
+}
+
+# The durable checkpoint store: this run's prefix of the bucket and nothing else (no other
+# run's checkpoints, no bucket-wide listing).
+resource "aws_iam_role_policy" "checkpoints" {
+  count = var.checkpoint_bucket != "" ? 1 : 0
+  name  = "${var.name}-checkpoints"
+  role  = aws_iam_role.node.id
+  policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [
+      {
+        Sid      = "RunObjects"
+        Effect   = "Allow"
+        Action   = ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"]
+        Resource = "arn:aws:s3:::${var.checkpoint_bucket}/${local.store_prefix}/*"
+      },
+      {
+        Sid       = "ListRunPrefix"
+        Effect    = "Allow"
+        Action    = "s3:ListBucket"
+        Resource  = "arn:aws:s3:::${var.checkpoint_bucket}"
+        Condition = { StringLike = { "s3:prefix" = [local.store_prefix, "${local.store_prefix}/*"] } }
+      }
+    ]
+  })
 }
 
 resource "aws_iam_instance_profile" "node" {
@@ -235,11 +285,14 @@ resource "aws_instance" "node" {
   }
 
   user_data = templatefile("${path.module}/cloud-init.yaml.tftpl", {
-    oolong_package  = var.oolong_package
-    prefect_api_url = var.prefect_api_url
-    work_pool       = var.work_pool
-    node_index      = count.index
-    rollout_port    = var.rollout_port
+    oolong_package   = var.oolong_package
+    sglang_version   = var.sglang_version
+    prefect_api_url  = var.prefect_api_url
+    work_pool        = var.work_pool
+    node_index       = count.index
+    port_range       = "${var.server_port_range.from}-${var.server_port_range.to}"
+    checkpoint_store = local.store_url
+    runs_dir         = "/opt/oolong/runs"
   })
 
   tags = merge(local.tags, { Name = "${var.name}-node-${count.index}" })

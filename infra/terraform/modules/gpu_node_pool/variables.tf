@@ -73,20 +73,53 @@ variable "ssh_allowed_cidrs" {
 
 variable "control_plane_cidrs" {
   type        = list(string)
-  description = "CIDRs of the control plane (web app, Prefect server) allowed to reach the rollout servers' HTTP port."
+  description = "CIDRs of the control plane (web app, Prefect server): they reach the nodes' server port range, and the nodes reach the Prefect API on them."
   default     = []
 }
 
-variable "rollout_port" {
+variable "server_port_range" {
+  type        = object({ from = number, to = number })
+  description = "Ports the nodes' processes listen on (rollout servers, trainer rendezvous, weight update group), opened to the control plane; the nodes get it as OOLONG_PORT_RANGE."
+  default     = { from = 30000, to = 30999 }
+  validation {
+    condition     = var.server_port_range.from >= 1024 && var.server_port_range.to >= var.server_port_range.from && var.server_port_range.to <= 65535
+    error_message = "server_port_range must be 1024 <= from <= to <= 65535."
+  }
+}
+
+variable "prefect_api_port" {
   type        = number
-  description = "HTTP port of the rollout servers (SGLang)."
-  default     = 30000
+  description = "Port of the Prefect API on the control plane (the nodes' workers connect to it)."
+  default     = 4200
+}
+
+variable "checkpoint_bucket" {
+  type        = string
+  description = "S3 bucket of the durable checkpoint store (warm-started model, checkpoints); the node role may use only this run's prefix in it. Empty = no store (checkpoints die with the nodes)."
+  default     = ""
+}
+
+variable "checkpoint_prefix" {
+  type        = string
+  description = "Key prefix of the store in checkpoint_bucket (no leading or trailing slash)."
+  default     = "oolong"
+}
+
+variable "checkpoint_run_key" {
+  type        = string
+  description = "This run's folder under the store (the orchestration's run key, run-<id>)."
+}
+
+variable "sglang_version" {
+  type        = string
+  description = "SGLang release for the rollout servers, installed in its own environment (/opt/sglang): it pins a torch the trainer's does not. Empty = no SGLang (embedded servers)."
+  default     = "0.5.23"
 }
 
 variable "oolong_package" {
   type        = string
-  description = "pip requirement that installs Oolong with its GPU extras, e.g. 'oolong[core,sglang,orchestration]==0.1.0'."
-  default     = "oolong[core,sglang,orchestration]"
+  description = "pip requirement that installs Oolong (trainer and node flows), e.g. 'oolong[core,orchestration]==0.1.0'; SGLang goes to its own environment (sglang_version)."
+  default     = "oolong[core,orchestration]"
 }
 
 variable "prefect_api_url" {

@@ -1,0 +1,47 @@
+"""The local engine's database is made once, whoever starts first (two runs of a sweep at once)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+CALL = ("from orchestration.trigger import prefect_database_ready, prefect_env; "
+        "print(prefect_database_ready(prefect_env()))")
+
+
+@pytest.mark.slow  # one real Prefect migration (~10-30 s)
+def test_two_first_starts_at_once_migrate_the_database_once(tmp_path):
+    home = tmp_path / "prefect"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "platform")])}
+    env.pop("PREFECT_API_URL", None)
+    procs = [subprocess.Popen([sys.executable, "-c", CALL], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
+    # One of them made it; the other waited on the lock and found it done.
+    assert sorted(out.strip() for out, _ in results) == ["False", "True"]
+    assert (home / "prefect.db").stat().st_size > 0
+    assert list(home.glob(".oolong-migrated-*"))
+
+
+def test_flows_inherit_no_web_app_secret(monkeypatch):
+    from orchestration.trigger import prefect_env
+
+    secrets = {"DATABASE_URL": "postgres://u:p@db/x", "CELERY_BROKER_URL": "redis://r/0",
+               "CELERY_RESULT_BACKEND": "redis://r/1", "DJANGO_SECRET_KEY": "k",
+               "DJANGO_CACHE_URL": "redis://:password@cache/2"}
+    for key, value in secrets.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("OOLONG_RUNS_DIR", "/runs")
+    env = prefect_env()
+    assert not set(secrets) & set(env)
+    assert env["OOLONG_RUNS_DIR"] == "/runs"  # the rest passes
