@@ -16,8 +16,13 @@ halves each one's batch (generation wait 0.082-0.095 s -> 0.065-0.076 s per demo
 back-to-back pairs). Asynchronously the trainer computes all the time, so one server.
 
 Workloads: ``demo`` (configs/demo.yaml's task: two-number sums, 8 prompts x 16 samples, 12 new
-tokens) and ``long_tail`` (async_vs_sync.py's task: running sums of 2-8 terms with a long tail of
-long answers, 8 prompts x 8 samples, 48 new tokens).
+tokens), ``long_tail`` (async_vs_sync.py's task: running sums of 2-8 terms with a long tail of
+long answers, 8 prompts x 8 samples, 48 new tokens), and the real model, ``smollm2_fp32`` and
+``smollm2_bf16`` (``--workloads smollm2`` runs both): SmolLM2-135M-Instruct from the same
+converted folder for all three systems, reasoning-gym ``chain_sum`` one-digit sums in the chat
+template with ``builtin:numeric`` (greedy accuracy about 20% at the start, so rewards vary inside
+groups), 4 prompts x 4 samples, 32 new tokens; both sides fp32, then both bf16 (TRL's
+``bf16=True``, Oolong's ``model.dtype=bfloat16``), reported as separate workloads.
 
 Per system: wall time per step (median of the steps after the first few), generated tokens per
 second, and the reward curve. Ratios above 1 mean Oolong is faster per step.
@@ -59,6 +64,18 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "long_tail": {"options": "{min_terms: 2, max_terms: 8, max_value: 9, long_tail: 0.15}",
                   "group_size": 8, "batch_groups": 8, "max_new_tokens": 48, "lr": 1e-4},
 }
+# The real model (issue 26): SmolLM2-135M-Instruct, no warm start, one-digit sums and
+# differences from reasoning-gym in the model's chat template, where its greedy accuracy is about
+# 20% (benchmarks/learning.py's scan), so groups have reward variance. One workload per
+# precision, both sides at it: TRL's bf16=True (autocast over fp32 weights) against Oolong's
+# model.dtype=bfloat16.
+SMOLLM2 = {"model": "smollm2", "source": "reasoning_gym:chain_sum",
+           "options": "{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}",
+           "chat_template": True, "reward": "builtin:numeric", "group_size": 4,
+           "batch_groups": 4, "max_new_tokens": 32, "lr": 1e-5, "steps": 20, "quick_steps": 8}
+WORKLOADS.update({"smollm2_fp32": {**SMOLLM2, "dtype": "float32"},
+                  "smollm2_bf16": {**SMOLLM2, "dtype": "bfloat16"}})
+ALIASES = {"smollm2": ["smollm2_fp32", "smollm2_bf16"]}  # --workloads smollm2 means both
 # system -> (max_staleness, its own run-spec overrides); TRL's settings are in run_trl
 SYSTEMS: dict[str, tuple[int, list[str]] | None] = {
     "trl": None, "oolong_sync": (0, ["rollout.num_servers=2"]), "oolong_async": (2, [])}
@@ -71,8 +88,12 @@ def _spec(workload: str, seed: int, extra: list[str] = ()):
     from training_core.config import load_spec
 
     w = WORKLOADS[workload]
-    return load_spec(None, ["model.path=tiny", "data.source=synthetic:arithmetic",
-                            f"data.options={w['options']}", f"seed={seed}", *extra])
+    return load_spec(None, [f"model.path={w.get('model', 'tiny')}",
+                            f"data.source={w.get('source', 'synthetic:arithmetic')}",
+                            f"data.options={w['options']}", f"seed={seed}",
+                            f"data.chat_template={str(w.get('chat_template', False)).lower()}",
+                            f"reward.fn={w.get('reward', 'builtin:arithmetic')}",
+                            f"model.dtype={w.get('dtype', 'float32')}", *extra])
 
 
 def _summary(step_s: list[float], tokens: list[float], rewards: list[float]) -> dict[str, Any]:
@@ -127,12 +148,15 @@ def run_trl(workload: str, model: Path, steps: int, seed: int, work: Path) -> di
     spec = _spec(workload, seed)
     template = prompt_template_text(spec.data.prompt_template)
     rows = load_data(spec.data, seed).train
-    dataset = Dataset.from_list([{"prompt": template.format(**r), "answer": str(r["answer"])}
-                                 for r in rows])
+    chat = spec.data.chat_template  # TRL applies the chat template to conversational prompts
+    dataset = Dataset.from_list([
+        {"prompt": [{"role": "user", "content": template.format(**r)}] if chat
+         else template.format(**r), "answer": str(r["answer"])} for r in rows])
     scorer = resolve_reward(spec.reward.fn, spec.reward.extract)
 
     def reward(prompts, completions, answer, **_):
-        return [scorer(c, {"answer": a}) for c, a in zip(completions, answer, strict=True)]
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [scorer(c, {"answer": a}) for c, a in zip(texts, answer, strict=True)]
 
     class StepClock(TrainerCallback):
         def __init__(self):
@@ -150,7 +174,8 @@ def run_trl(workload: str, model: Path, steps: int, seed: int, work: Path) -> di
         per_device_train_batch_size=batch, num_generations=w["group_size"],
         gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
         max_completion_length=w["max_new_tokens"], temperature=1.0, beta=0.0,
-        use_cpu=True, bf16=False, fp16=False, logging_steps=1, report_to=[],
+        use_cpu=True, bf16=spec.model.dtype == "bfloat16", fp16=False, logging_steps=1,
+        report_to=[],
         save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
     clock = StepClock()
     trainer = GRPOTrainer(model=load_model(model), reward_funcs=reward, args=config,
@@ -160,6 +185,7 @@ def run_trl(workload: str, model: Path, steps: int, seed: int, work: Path) -> di
     logs = [h for h in trainer.state.log_history if "reward" in h]
     tokens = [h["completions/mean_length"] * batch for h in logs]
     return {**_summary(clock.step_s, tokens, [h["reward"] for h in logs]),
+            "precision": "bf16 autocast over fp32 weights" if config.bf16 else "fp32",
             "threads": f"torch.set_num_threads({CORES}) in one process"}
 
 
@@ -188,6 +214,7 @@ def run_oolong(workload: str, staleness: int, model: Path, steps: int, seed: int
                        [r["response_length/mean"] * batch for r in rows],
                        [r["reward/mean"] for r in rows]),
             "max_staleness": staleness, "num_servers": spec.rollout.num_servers,
+            "precision": spec.model.dtype,
             "threads": (f"{spec.rollout.num_servers} rollout servers (each an HTTP front end "
                         "and an engine process decoding on 1 thread) and the trainer (1 thread); "
                         f"the trainer borrows idle servers' threads up to {CORES}")}
@@ -208,14 +235,27 @@ def _side(system: str, workload: str, model: Path, steps: int, seed: int, work: 
 
 
 def warm_start(workload: str, seed: int, seconds: float, work: Path) -> Path:
+    """The tiny model's supervised warm start (RL from random weights gets no reward); a real
+    model starts from its own weights."""
     from transformers.utils import logging as hf_logging
 
+    from training_core.models.loading import spec_model_dir
     from training_core.sft import sft
+
+    if WORKLOADS[workload].get("model", "tiny") != "tiny":
+        return spec_model_dir(_spec(workload, seed))
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     return sft(_spec(workload, seed), work / "initial_model", steps=10_000, seconds=seconds,
                progress=False)
+
+
+def workload_steps(workload: str, steps: int | None, quick: bool) -> int:
+    """Steps per system: ``--steps``, else the workload's own (a real model's step takes
+    seconds, not a tenth of one), else 12 with --quick and 40 without."""
+    w = WORKLOADS[workload]
+    return steps or (w.get("quick_steps", 12) if quick else w.get("steps", 40))
 
 
 def main() -> int:
@@ -226,7 +266,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=None,
                         help="rounds of the three systems per workload (default 3; 1 with --quick)")
     parser.add_argument("--warm-start-s", type=float, default=None)
-    parser.add_argument("--workloads", default="demo,long_tail")
+    parser.add_argument("--workloads", default="demo,long_tail,smollm2",
+                        help="comma-separated; smollm2 means smollm2_fp32,smollm2_bf16")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="bench-results/vs_trl.json")
     parser.add_argument("--work-dir", default=None)
@@ -238,11 +279,11 @@ def main() -> int:
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    steps = args.steps or (12 if args.quick else 40)
     work = Path(args.work_dir or ROOT / "runs" / f"bench-vs-trl-{time.strftime('%Y%m%d-%H%M%S')}")
     work.mkdir(parents=True, exist_ok=True)
 
     if args.side:
+        steps = args.steps
         if args.side == "trl":
             out = run_trl(args.workload, Path(args.model), steps, args.seed, work)
         else:
@@ -255,9 +296,12 @@ def main() -> int:
     seconds = args.warm_start_s or (25 if args.quick else 60)
     repeats = args.repeats or (1 if args.quick else 3)
     report: dict[str, Any] = {"workloads": {}}
-    for workload in args.workloads.split(","):
+    workloads = [w for name in args.workloads.split(",") for w in ALIASES.get(name, [name])]
+    for workload in workloads:
         wdir = work / workload
-        print(f"{workload}: warm start ({seconds:.0f} s, shared by all three) ...", flush=True)
+        steps = workload_steps(workload, args.steps, args.quick)
+        if WORKLOADS[workload].get("model", "tiny") == "tiny":
+            print(f"{workload}: warm start ({seconds:.0f} s, shared by all three) ...", flush=True)
         model = warm_start(workload, args.seed, seconds, wdir)
         rounds = []
         for r in range(repeats):
@@ -279,7 +323,8 @@ def main() -> int:
             f"{name.replace('_vs_', '/').replace('trl', 'TRL')} {combined[name]:.2f}x "
             f"[{combined['ranges'][name][0]:.2f}-{combined['ranges'][name][1]:.2f}]"
             for name in RATIOS), flush=True)
-    report["config"] = {"steps": steps, "quick": args.quick, "seed": args.seed,
+    report["config"] = {"steps": {w: workload_steps(w, args.steps, args.quick) for w in workloads},
+                        "quick": args.quick, "seed": args.seed,
                         "repeats": repeats,
                         "oolong_overrides": args.oolong_set,
                         "skip_first_steps": SKIP, "cores_each": CORES, "workloads": WORKLOADS}

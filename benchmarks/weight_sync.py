@@ -35,16 +35,17 @@ from training_core.engines.deepspeed_trainer import DeepSpeedTrainer  # noqa: E4
 from training_core.engines.rollout_client import RolloutClient  # noqa: E402
 from training_core.launch import start_embedded_fleet  # noqa: E402
 from training_core.models.loading import resolve_model_dir  # noqa: E402
-from training_core.weight_sync import DiskSync, DistributedSync, WeightSync  # noqa: E402
+from training_core.weight_sync import (  # noqa: E402
+    DiskSync,
+    DistributedSync,
+    WeightSync,
+    push_weights,
+)
 
 
 async def _pause_push_resume(client: RolloutClient, sync: WeightSync, version: int) -> float:
     start = time.perf_counter()
-    await client.pause()
-    try:
-        await sync.push(client, version)
-    finally:
-        await client.resume()
+    assert await push_weights(client, sync, client.policy) == version
     return time.perf_counter() - start
 
 

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from tests.benchmarks.modules import benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _vs_trl():
-    spec = importlib.util.spec_from_file_location("vs_trl", ROOT / "benchmarks" / "vs_trl.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("vs_trl")
 
 
 def _round(trl: float, sync: float, asynchronous: float, tag: str) -> dict:

@@ -18,7 +18,7 @@ def test_vs_trl_writes_the_ratios_for_both_workloads(tmp_path):
     pytest.importorskip("trl")
     out = tmp_path / "vs_trl.json"
     subprocess.run([sys.executable, "benchmarks/vs_trl.py", "--steps", "2", "--warm-start-s", "2",
-                    "--repeats", "1",
+                    "--repeats", "1", "--workloads", "demo,long_tail",
                     "--out", str(out), "--work-dir", str(tmp_path / "work")],
                    cwd=ROOT, check=True, timeout=900)
     report = json.loads(out.read_text())
@@ -39,5 +39,6 @@ def test_vs_trl_writes_the_ratios_for_both_workloads(tmp_path):
             workload["trl"]["step_s_median"] / workload["oolong_async"]["step_s_median"])
         assert workload["median_round"] == 0 and len(workload["rounds"]) == 1
         assert workload["ranges"]["async_vs_trl"] == pytest.approx([workload["async_vs_trl"]] * 2)
-    assert report["config"]["steps"] == 2 and report["config"]["repeats"] == 1
+    assert report["config"]["steps"] == {"demo": 2, "long_tail": 2}
+    assert report["config"]["repeats"] == 1
     assert report["machine"]["cpus"] >= 1

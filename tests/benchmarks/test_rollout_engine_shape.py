@@ -1,0 +1,56 @@
+"""benchmarks/rollout_engine.py's JSON, from its report function (the benchmark itself is not
+run: no timing is asserted in tests). The keys are the issue's: one object per precision with
+``batches`` "16" and "64", each with embedded_tok_s, hf_tok_s, ratio and bound_tok_s."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from tests.benchmarks.modules import benchmark
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _module():
+    return benchmark("rollout_engine")
+
+
+def _measured(embedded: list[float], hf: list[float], bound: float) -> dict:
+    return {"embedded": embedded, "hf": hf, "bound_tok_s": bound,
+            "compute_bound_tok_s": bound, "memory_bound_tok_s": 3 * bound,
+            "matmul_gflops": 100.0}
+
+
+def test_the_report_has_the_issues_keys_per_precision_and_batch():
+    bench = _module()
+    measured = {
+        "float32": {16: _measured([200, 240, 220], [100, 130, 90], 900),
+                    64: _measured([400, 410], [300, 250], 3000)},
+        "bfloat16": {16: _measured([700], [300], 2500), 64: _measured([2100, 1900, 2200], [900, 800, 1000], 9000)},
+    }
+    out = bench.report(measured, {"new_tokens": 32}, {"threads": 2})
+    json.dumps(out)  # plain JSON
+    assert [r["precision"] for r in out["runs"]] == ["float32", "bfloat16"]
+    for run in out["runs"]:
+        assert set(run["batches"]) == {"16", "64"}
+        for batch, b in run["batches"].items():
+            m = measured[run["precision"]][int(batch)]
+            assert b["embedded_tok_s"] == statistics.median(m["embedded"])
+            assert b["hf_tok_s"] == statistics.median(m["hf"])
+            assert b["ratio"] == pytest.approx(b["embedded_tok_s"] / b["hf_tok_s"])
+            assert b["bound_tok_s"] == m["bound_tok_s"]
+    assert out["aims"]["bf16_batch64_ge_2000_tok_s"] is True  # median 2100
+    assert out["aims"]["ratio_ge_2"] == {"float32": False, "bfloat16": True}
+
+
+def test_the_reference_results_have_that_shape():
+    for path in sorted((ROOT / "benchmarks" / "results").glob("rollout_engine*.json")):
+        out = json.loads(path.read_text())
+        for run in out["runs"]:
+            assert run["precision"] in ("float32", "bfloat16")
+            for b in run["batches"].values():
+                assert {"embedded_tok_s", "hf_tok_s", "ratio", "bound_tok_s"} <= set(b)
