@@ -8,7 +8,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test test-fast lint bench clean
+.PHONY: venv demo test test-fast test-isolated lint bench serve clean
 
 venv: $(STAMP)
 
@@ -31,9 +31,13 @@ demo: venv
 test: venv
 	bash scripts/test.sh
 
-# The edit loop: lint, import contracts and the tests that start no training processes.
+# The edit loop: lint, import contracts and tests/unit (no process, network, browser or database).
 test-fast: venv
-	bash scripts/test.sh -m "not slow" --ignore=tests/integration --ignore=tests/infra
+	bash scripts/test.sh tests/unit
+
+# Each integration module alone, in its own pytest process (a test must not rely on an earlier one).
+test-isolated: venv
+	bash scripts/test_isolated.sh $(ARGS)
 
 bench: venv
 	bash scripts/services.sh up
@@ -42,6 +46,11 @@ bench: venv
 	$(BIN)/python benchmarks/reward_jail.py $(ARGS) --out bench-results/reward_jail.json
 	$(BIN)/python benchmarks/weight_sync.py $(ARGS) --out bench-results/weight_sync.json
 	$(BIN)/python benchmarks/vs_trl.py $(ARGS) --out bench-results/vs_trl.json
+	$(BIN)/python benchmarks/web_load.py $(ARGS) --out bench-results/web_load.json
+
+# The production web server (gunicorn, production settings; environment: docs/operations.md).
+serve: venv
+	bash scripts/serve.sh $(ARGS)
 
 lint: venv
 	$(BIN)/ruff check .

@@ -23,14 +23,14 @@ import time
 from pathlib import Path
 
 import httpx
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from training_core.config import spec_data  # noqa: E402
 from training_core.http import WebClient, wait_healthy  # noqa: E402
 from training_core.launch import free_port  # noqa: E402
-from training_core.runs_cli import watch_run  # noqa: E402
+from training_core.runs_cli import Api, ApiError, watch_run  # noqa: E402
 
 
 def sh(*args: str, env: dict, **kw) -> subprocess.CompletedProcess:
@@ -77,30 +77,21 @@ def main() -> int:
                               stdout=(data_dir / "worker.log").open("w"), stderr=subprocess.STDOUT)
     try:
         wait_healthy(base + "/accounts/login/", 60, ok=lambda status: status < 500, interval_s=0.3)
-        api = WebClient.for_user(base, token, timeout_s=120).http
+        api = Api(WebClient.for_user(base, token, timeout_s=120))
 
         print("2/4 REST API: dataset, reward function and run", flush=True)
         ds = api.post("/api/datasets/builtin/", json={"project": int(project_id), "name": "arithmetic",
                                                       "builtin": "arithmetic", "size": 5000})
-        ds.raise_for_status()
         rw = api.post("/api/rewards/", json={"project": int(project_id), "name": "arithmetic",
                                              "builtin": "arithmetic"})
-        rw.raise_for_status()
-        spec = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
-        for item in args.overrides:
-            key, value = item.split("=", 1)
-            node = spec
-            *parents, leaf = key.split(".")
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[leaf] = yaml.safe_load(value)
-        run = api.post("/api/runs/", json={"project": int(project_id), "name": f"demo {time.strftime('%H:%M')}",
-                                           "dataset_version": ds.json()["id"],
-                                           "reward_version": rw.json()["id"], "spec": spec})
-        if run.status_code != 201:
-            print(run.json()["message"], file=sys.stderr)
+        spec = spec_data(ROOT / "configs" / "demo.yaml", args.overrides)
+        try:
+            run = api.post("/api/runs/", json={
+                "project": int(project_id), "name": f"demo {time.strftime('%H:%M')}",
+                "dataset_version": ds["id"], "reward_version": rw["id"], "spec": spec})
+        except ApiError as exc:  # a bad override: the server names the field
+            print(exc, file=sys.stderr)
             return 2
-        run = run.json()
         url = f"{base}/runs/{run['id']}/"
         print(f"\n    Dashboard: {url}   (log in as demo / oolong-demo)\n", flush=True)
 
@@ -125,9 +116,9 @@ def main() -> int:
     return 0
 
 
-def summary(api: httpx.Client, run_id: int) -> None:
+def summary(api: Api, run_id: int) -> None:
     series = {s["key"]: s for s in api.get(f"/api/runs/{run_id}/metrics/", params={
-        "keys": "eval/accuracy,reward/mean", "buckets": 5000}).json()["series"]}
+        "keys": "eval/accuracy,reward/mean", "buckets": 5000})["series"]}
     acc, rew = series["eval/accuracy"]["mean"], series["reward/mean"]["mean"]
     if acc:
         print(f"  greedy eval accuracy: {acc[0]:.1%} -> {acc[-1]:.1%}")

@@ -43,8 +43,20 @@ redis_up() {
 }
 
 jail_up() {
-  command -v bwrap >/dev/null && return
-  echo "services: installing bubblewrap (the reward sandbox)"; apt_install bubblewrap
+  if ! command -v bwrap >/dev/null; then
+    echo "services: installing bubblewrap (the reward sandbox)"; apt_install bubblewrap
+  fi
+  # The seccomp filter is built with libseccomp (PyPI pyseccomp loads Debian's libseccomp2).
+  if ! ldconfig -p | grep -q 'libseccomp\.so\.2'; then
+    echo "services: installing libseccomp2 (the jail's seccomp filter)"; apt_install libseccomp2
+  fi
+  # A root caller starts the jail as this unprivileged user, never as uid 0 (see
+  # training_core/jail/). No home, no shell, no password: it only ever runs bwrap.
+  if [ "$(id -u)" = 0 ] && ! id -u oolong-jail >/dev/null 2>&1; then
+    echo "services: creating the system user oolong-jail (the reward jail runs as it)"
+    useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin \
+      --user-group oolong-jail
+  fi
 }
 
 chromium_up() {

@@ -1,31 +1,29 @@
-"""Guards for the repository layout and the import direction (DESIGN.md §1)."""
+"""Guards for the repository layout (docs/design.md §1).
+
+The import direction (training_core imports nothing of ours, orchestration never the Django side,
+the web side only orchestration.trigger, layers inside each web app) is checked by import-linter's
+contracts in pyproject.toml, run by `lint-imports` in the test command; it is not restated here.
+"""
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FORBIDDEN_IN_CORE = {"django", "celery", "prefect", "webapp", "workers", "orchestration"}
-
-
-def _imported_top_levels(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
-    return names
+BIN = Path(sys.executable).parent
 
 
 def test_required_top_level_layout_exists():
-    for name in ["platform", "webapp", "workers", "training_core", "infra/terraform", "tests",
-                 "manage.py", "pyproject.toml", "README.md", "Makefile", ".ci/run"]:
-        assert (ROOT / name).exists(), f"{name} is missing"
+    # The layout the developers' guide requires, each part holding what its name says.
+    for package in ("webapp", "workers", "training_core"):
+        assert (ROOT / package / "__init__.py").is_file(), f"{package} is not a package"
+    assert list((ROOT / "platform" / "orchestration" / "flows").glob("*.py")), "no Prefect flows"
+    assert list((ROOT / "infra" / "terraform" / "modules").glob("*/main.tf")), "no Terraform modules"
+    assert list((ROOT / "tests").rglob("test_*.py")), "no tests"
+    for name in ("manage.py", "pyproject.toml", "README.md", "Makefile", ".ci/run"):
+        assert (ROOT / name).is_file(), f"{name} is missing"
 
 
 def test_platform_is_not_a_package():
@@ -39,15 +37,6 @@ def test_stdlib_platform_is_not_shadowed_from_repo_root():
     assert out.stdout.strip() in {"Linux", "Darwin", "Windows"}
 
 
-def test_training_core_imports_nothing_of_ours_or_the_platform():
-    offenders = []
-    for path in (ROOT / "training_core").rglob("*.py"):
-        bad = _imported_top_levels(path) & FORBIDDEN_IN_CORE
-        if bad:
-            offenders.append(f"{path.relative_to(ROOT)} imports {sorted(bad)}")
-    assert not offenders, offenders
-
-
 def test_config_module_stays_light():
     # The web app validates specs with it: importing it must not pull torch or transformers.
     code = ("import sys, training_core.config; "
@@ -57,22 +46,15 @@ def test_config_module_stays_light():
     assert out.stdout.strip() == "False"
 
 
-def test_orchestration_imports_only_training_core_of_ours():
-    offenders = []
-    for path in (ROOT / "platform" / "orchestration").rglob("*.py"):
-        bad = _imported_top_levels(path) & {"webapp", "workers", "django"}
-        if bad:
-            offenders.append(f"{path.relative_to(ROOT)} imports {sorted(bad)}")
-    assert not offenders, offenders
-
-
-def test_web_side_imports_only_the_trigger_module_of_orchestration():
-    offenders = []
-    for base in ("webapp", "workers"):
-        for path in (ROOT / base).rglob("*.py"):
-            tree = ast.parse(path.read_text())
-            for node in ast.walk(tree):
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("orchestration"):
-                    if node.module != "orchestration.trigger":
-                        offenders.append(f"{path.relative_to(ROOT)}: {node.module}")
-    assert not offenders, offenders
+def test_ruff_reads_every_tracked_python_file():
+    # An exclude pattern without a slash matches every directory of that name (`runs` once hid
+    # webapp/runs from the linter); list what ruff would read and compare with what git tracks.
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.split()
+    if not tracked:  # not a git checkout (an sdist): nothing to compare
+        return
+    shown = subprocess.run([str(BIN / "ruff"), "check", "--show-files", "."], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    read = {str(Path(p).resolve().relative_to(ROOT)) for p in shown if p.endswith(".py")}
+    skipped = sorted(set(tracked) - read)
+    assert not skipped, f"ruff skips tracked files: {skipped}"

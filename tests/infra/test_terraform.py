@@ -98,9 +98,10 @@ def test_cloud_init_renders_a_worker_that_serves_the_nodes_queue(tmp_path):
     from orchestration.providers.base import node_queue
 
     template = TF / "modules" / "gpu_node_pool" / "cloud-init.yaml.tftpl"
-    expr = (f'templatefile("{template}", {{oolong_package="oolong",'
-            ' prefect_api_url="http://10.0.0.5:4200/api", work_pool="oolong-run-7", node_index=2,'
-            ' rollout_port=30000})')
+    expr = (f'templatefile("{template}", {{oolong_package="oolong[core,orchestration]",'
+            ' sglang_version="0.5.23", prefect_api_url="http://10.0.0.5:4200/api",'
+            ' work_pool="oolong-run-7", node_index=2, port_range="30000-30999",'
+            ' checkpoint_store="s3://ckpt-bucket/oolong", runs_dir="/opt/oolong/runs"})')
     # An empty working directory: console leaves no state files in the repository.
     out = subprocess.run(["terraform", "console"], input=expr, cwd=tmp_path, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "TF_CLI_CONFIG_FILE": "/dev/null"})
@@ -118,3 +119,47 @@ def test_cloud_init_renders_a_worker_that_serves_the_nodes_queue(tmp_path):
     assert env["PREFECT_API_URL"] == "http://10.0.0.5:4200/api"
     assert env["OOLONG_NODE_QUEUE"] == "node-2"
     assert any("OOLONG_NODE_ADDRESS" in cmd for cmd in doc["runcmd"] if isinstance(cmd, str))
+    # the durable store and the run directories, the open port range, SGLang's own environment
+    assert env["OOLONG_CHECKPOINT_STORE"] == "s3://ckpt-bucket/oolong"
+    assert env["OOLONG_RUNS_DIR"] == "/opt/oolong/runs"
+    assert env["OOLONG_PORT_RANGE"] == "30000-30999"
+    assert env["OOLONG_SGLANG_PYTHON"] == "/opt/sglang/venv/bin/python"
+    cmds = [c for c in doc["runcmd"] if isinstance(c, str)]
+    assert '/opt/sglang/venv/bin/pip install "sglang==0.5.23"' in cmds
+    assert '/opt/oolong/venv/bin/pip install "oolong[core,orchestration]"' in cmds
+    # the worker polls often enough for the flow's liveness check (worker_lost_after_s)
+    assert int(env["PREFECT_WORKER_QUERY_SECONDS"]) <= 15
+    # the reward jail can be built there: bubblewrap, libseccomp and its unprivileged user
+    assert {"bubblewrap", "libseccomp2"} <= set(doc["packages"])
+    assert any("useradd" in c and "oolong-jail" in c for c in cmds)
+
+
+def _pool_resources(kind: str) -> dict[str, dict]:
+    return {name.strip('"'): body for f in (TF / "modules" / "gpu_node_pool").glob("*.tf")
+            for block in _load(f).get("resource", []) for k, named in block.items()
+            if k.strip('"') == kind for name, body in named.items()}
+
+
+def test_nodes_reach_the_prefect_api_and_open_only_the_server_port_range():
+    ingress = _pool_resources("aws_vpc_security_group_ingress_rule")
+    egress = _pool_resources("aws_vpc_security_group_egress_rule")
+    servers = ingress["servers_from_control_plane"]
+    assert servers["from_port"] == "${var.server_port_range.from}"
+    assert servers["to_port"] == "${var.server_port_range.to}"
+    assert "${each.value}" in servers["cidr_ipv4"]  # the control plane's CIDRs, nobody else
+    assert "rollout_from_control_plane" not in ingress  # the single fixed port is gone
+    prefect = egress["prefect_api"]
+    assert prefect["from_port"] == prefect["to_port"] == "${var.prefect_api_port}"
+    assert {r["from_port"] for r in egress.values() if "from_port" in r} >= {443, 80}
+    run = _load(TF / "run" / "main.tf")
+    pool = next(body for name, body in run["module"][0].items() if name.strip('"') == "pool")
+    assert pool["prefect_api_port"] == "${local.prefect_api_port}"
+    assert pool["checkpoint_run_key"].strip('"') == "run-${var.run_id}"
+
+
+def test_the_node_role_may_use_only_its_runs_prefix_of_the_bucket():
+    policy = _pool_resources("aws_iam_role_policy")["checkpoints"]["policy"]
+    text = json.dumps(policy)
+    assert "arn:aws:s3:::${var.checkpoint_bucket}/${local.store_prefix}/*" in text
+    assert '"s3:*"' not in text and "arn:aws:s3:::*" not in text
+    assert "s3:prefix" in text  # listing is limited to the run's prefix too
