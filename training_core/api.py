@@ -235,4 +235,15 @@ class MetricsSink(Protocol):
 
     def status(self, status: str, reason: str = "") -> None: ...
 
+    def undelivered(self) -> list[dict[str, Any]]:
+        """Records written but not yet where they go (a remote tracker). A checkpoint carries
+        them, so losing the node that held them loses nothing; [] for a sink that writes
+        straight to its destination."""
+        ...
+
+    def redeliver(self, records: list[dict[str, Any]]) -> None:
+        """Send again what a checkpoint carried (``undelivered`` of an earlier sink); delivery is
+        idempotent, so records that did arrive change nothing."""
+        ...
+
     def close(self) -> None: ...

@@ -38,6 +38,12 @@ class JsonlSink:
     def status(self, status: str, reason: str = "") -> None:
         pass  # events.jsonl has started/finished/failed
 
+    def undelivered(self) -> list[dict[str, Any]]:
+        return []  # written straight to the run directory
+
+    def redeliver(self, records: list[dict[str, Any]]) -> None:
+        pass  # the run directory's own files were truncated to the checkpoint on resume
+
     def close(self) -> None:
         self._metrics.close()
         self._events.close()
@@ -115,6 +121,13 @@ class MultiSink:
     def status(self, status: str, reason: str = "") -> None:
         for s in self.sinks:
             s.status(status, reason)
+
+    def undelivered(self) -> list[dict[str, Any]]:
+        return [r for s in self.sinks for r in s.undelivered()]
+
+    def redeliver(self, records: list[dict[str, Any]]) -> None:
+        for s in self.sinks:
+            s.redeliver(records)
 
     def close(self) -> None:
         for s in self.sinks:

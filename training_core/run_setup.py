@@ -189,6 +189,8 @@ def _resume_rollout(run: Run, resumed: Resumed | None, loader: PromptLoader,
         loader.restore(state["loader_position"], state.get("pending_prompts"))
         run.staleness.recover(run.policy.current)
         dropped = truncate_metrics(run.run_dir, state["step"])
+        # What the tracker had not received at the checkpoint may have died with its node.
+        run.sink.redeliver(state.get("undelivered", []))
         # The servers load the checkpoint's weights, as the checkpoint's own version.
         run.control.run_until_complete(push_weights(run.client, run.sync, run.policy,
                                                     advance=False))

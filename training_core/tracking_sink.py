@@ -6,7 +6,9 @@ ingest is idempotent ((run, key, step) is unique; events carry a dedup key), so 
 retried after a timeout never duplicates anything. While the web app is unreachable the spool
 grows; when it comes back everything is delivered in order. On ``close`` the sink tries to drain
 the spool for ``close_timeout_s``; what is left stays on disk and is delivered by the next sink
-opened on the same spool directory (e.g. after a resume).
+opened on the same spool directory (e.g. after a resume). A checkpoint carries the records not
+yet delivered (``undelivered``), and a resume on another node re-sends them (``redeliver``): a
+node lost between its checkpoint and its next delivery loses no step.
 """
 
 from __future__ import annotations
@@ -51,10 +53,10 @@ class HttpSink:
 
     # ---- MetricsSink ---------------------------------------------------------------------
 
-    def _append(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record, default=str) + "\n"
+    def _append(self, *records: dict[str, Any]) -> None:
+        lines = "".join(json.dumps(r, default=str) + "\n" for r in records)
         with self._lock, self.spool.open("a") as fh:
-            fh.write(line)
+            fh.write(lines)
             fh.flush()
             os.fsync(fh.fileno())
         self._wake.set()
@@ -78,6 +80,14 @@ class HttpSink:
     def status(self, status: str, reason: str = "") -> None:
         self._append({"type": "status", "status": status, "reason": reason})
 
+    def undelivered(self) -> list[dict[str, Any]]:
+        records, _ = self._read_pending(None)
+        return records
+
+    def redeliver(self, records: list[dict[str, Any]]) -> None:
+        if records:
+            self._append(*records)
+
     def close(self) -> None:
         deadline = time.monotonic() + self.close_timeout_s
         while self._has_pending() and time.monotonic() < deadline:
@@ -99,7 +109,7 @@ class HttpSink:
         except (FileNotFoundError, ValueError):
             return 0
 
-    def _read_pending(self) -> tuple[list[dict[str, Any]], int]:
+    def _read_pending(self, limit: int | None) -> tuple[list[dict[str, Any]], int]:
         offset = self._offset()
         if not self.spool.exists():
             return [], offset
@@ -111,12 +121,12 @@ class HttpSink:
                     break  # a record still being written
                 records.append(json.loads(raw))
                 end += len(raw)
-                if len(records) >= self.batch_size:
+                if limit is not None and len(records) >= limit:
                     break
         return records, end
 
     def pending(self) -> int:
-        records, _ = self._read_pending()
+        records, _ = self._read_pending(None)
         return len(records)
 
     def _has_pending(self) -> bool:
@@ -154,7 +164,7 @@ class HttpSink:
         while True:
             self._wake.wait(timeout=backoff)
             self._wake.clear()
-            records, end = self._read_pending()
+            records, end = self._read_pending(self.batch_size)
             if records:
                 try:
                     self._deliver(records)

@@ -149,7 +149,8 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
             sink.trajectories(step, sample_records(batch.groups, run.tokenizer, n=4,
                                                    extract=spec.reward.extract))
             saved = checkpoint_if_due(trainer, spec, run.run_dir, step, policy.current,
-                                      executor.resume_state, timers)
+                                      lambda: {**executor.resume_state(),
+                                               "undelivered": sink.undelivered()}, timers)
             if saved is not None:
                 sink.checkpoint(step, policy.current, str(saved.resolve()))
             bar.update(1)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,7 +31,6 @@ SMALL = [
 ]
 
 
-@pytest.mark.slow
 class _CheckpointWatch:
     """A sink that notes, when a checkpoint is reported (it is complete by then), which steps
     metrics.jsonl already holds."""
@@ -44,6 +45,8 @@ class _CheckpointWatch:
     def event(self, *a, **k) -> None: ...
     def trajectories(self, *a, **k) -> None: ...
     def status(self, *a, **k) -> None: ...
+    def undelivered(self) -> list: return []
+    def redeliver(self, records) -> None: ...
     def close(self) -> None: ...
 
 
@@ -250,26 +253,64 @@ def test_stop_and_resume_trains_on_the_same_prompts_as_an_uninterrupted_run(tmp_
 
 
 @pytest.mark.slow
+class _RecordingTracker(http.server.ThreadingHTTPServer):
+    """A tracker that stores the metric steps it is posted (the ingest API's shape)."""
+
+    def __init__(self) -> None:
+        self.steps: set[int] = set()
+        tracker = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/api/ingest/metrics/":
+                    tracker.steps.update(p["step"] for p in body["points"])
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *a) -> None: ...
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
 def test_resume_on_fresh_nodes_from_the_durable_checkpoint_store(tmp_path, monkeypatch):
     """Node A trains and uploads its checkpoints; node A is gone (its run directory never seen
     again); node B starts with an empty run directory of the same run and resumes from the
-    store."""
+    store. The tracker was unreachable while node A lived, so every metric it logged was still
+    in its spool: the checkpoint carried them, and node B delivers them (no step missing)."""
     from training_core.checkpoint_store import STORE_ENV
+    from training_core.launch import free_port
+    from training_core.metrics import JsonlSink, MultiSink
+    from training_core.tracking_sink import HttpSink
     from training_core.train import train
 
     store = tmp_path / "store"
     monkeypatch.setenv(STORE_ENV, f"file://{store}")
     common = SMALL + ["checkpoint.every=2", "checkpoint.keep=1", "eval.every=0"]
     node_a = tmp_path / "node-a" / "run-7"
-    train(load_spec(None, common + [f"run_dir={node_a}", "trainer.steps=4"]), progress=False)
+    unreachable = HttpSink(f"http://127.0.0.1:{free_port()}", "token", spool_dir=node_a / "spool",
+                           flush_interval_s=0.05, close_timeout_s=0.5)
+    train(load_spec(None, common + [f"run_dir={node_a}", "trainer.steps=4"]), progress=False,
+          sink=MultiSink([JsonlSink(node_a), unreachable]))
+    assert unreachable.pending() > 0, "node A delivered nothing"
     stored = sorted(p.name for p in (store / "run-7" / "checkpoints").iterdir())
     assert stored == ["step4"], "uploaded, and pruned to checkpoint.keep"
     assert (store / "run-7" / "checkpoints" / "step4" / "COMPLETE").exists()
 
     node_b = tmp_path / "node-b" / "run-7"
     node_b.mkdir(parents=True)
-    result = train(load_spec(None, common + [f"run_dir={node_b}", "trainer.steps=5"]),
-                   resume_dir=node_b, progress=False)
+    tracker = _RecordingTracker()
+    try:
+        result = train(load_spec(None, common + [
+            f"run_dir={node_b}", "trainer.steps=5", "metrics.sinks=[jsonl, http]",
+            f"metrics.tracker_url=http://127.0.0.1:{tracker.server_address[1]}",
+            "metrics.tracker_token=token"]), resume_dir=node_b, progress=False)
+    finally:
+        tracker.shutdown()
+    assert tracker.steps == {1, 2, 3, 4, 5}, "node A's undelivered steps came with its checkpoint"
     assert result.last_step == 5 and result.final_version == 5
     events = [json.loads(line) for line in (node_b / "events.jsonl").open()]
     resumed = [e for e in events if e["kind"] == "resumed"]
