@@ -54,27 +54,54 @@ def side(name: str, staleness: int, steps: int, initial: Path, out_root: Path, s
         f"trainer.steps={steps}", "eval.every=0", "checkpoint.every=0", *overrides,
     ])
     result = train(spec, progress=False)
-    rows = [r for r in read_metrics(run_dir) if r["step"] > 0]
+    return side_result([r for r in read_metrics(run_dir) if r["step"] > 0], staleness,
+                       result.wall_s)
+
+
+def side_result(rows: list[dict], staleness: int, total_run_s: float) -> dict:
+    """One side's figures from its metric rows (steps > 0)."""
     # Wall time of the training loop itself (from the first batch to the last step), the same
     # measure on both sides: server start-up and DeepSpeed init are excluded.
     wall = sum(r["time/step_s"] for r in rows)
     tokens = sum(r["tokens/consumed"] for r in rows)
-    tail = rows[-max(3, len(rows) // 4):]
+    quarter = max(3, len(rows) // 4)
     return {
         "max_staleness": staleness,
         "steps": len(rows),
         "wall_s": wall,
         "effective_tokens_per_s": tokens / wall,
         "consumed_tokens": tokens,
-        "final_reward": statistics.fmean(r["reward/mean"] for r in tail),
-        "first_reward": statistics.fmean(r["reward/mean"] for r in rows[: max(3, len(rows) // 4)]),
+        "final_reward": statistics.fmean(r["reward/mean"] for r in rows[-quarter:]),
+        "first_reward": statistics.fmean(r["reward/mean"] for r in rows[:quarter]),
         "mean_staleness": statistics.fmean(r["staleness/mean"] for r in rows),
         "max_staleness_seen": max(r["staleness/max"] for r in rows),
         "mean_generation_wait_s": statistics.fmean(r["time/generation_wait_s"] for r in rows),
         "mean_weight_sync_pause_s": statistics.fmean(r["time/weight_sync_pause_s"] for r in rows),
         "response_length_mean": statistics.fmean(r["response_length/mean"] for r in rows),
         "response_length_max": max(r["response_length/max"] for r in rows),
-        "total_run_s": result.wall_s,
+        "total_run_s": total_run_s,
+    }
+
+
+def report(pairs: list[dict], config: dict) -> dict:
+    """The JSON from every pair: the (lower) median pair on top, so "speedup" stays sync wall /
+    async wall of the "sync" and "async" written next to it; every pair's figures below."""
+    speedups = [p["speedup"] for p in pairs]
+    median = next(p for p in pairs if p["speedup"] == statistics.median_low(speedups))
+    return {
+        "sync": median["sync"],
+        "async": median["async"],
+        "speedup": median["speedup"],
+        "speedup_range": [min(speedups), max(speedups)],
+        "pairs": [{"first": p["first"], "speedup": p["speedup"],
+                   "sync_wall_s": p["sync"]["wall_s"], "async_wall_s": p["async"]["wall_s"]}
+                  for p in pairs],
+        "throughput_ratio": median["async"]["effective_tokens_per_s"]
+        / median["sync"]["effective_tokens_per_s"],
+        "reward_delta": median["async"]["final_reward"] - median["sync"]["final_reward"],
+        "config": {**config, "repeats": len(pairs)},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version()},
     }
 
 
@@ -124,34 +151,16 @@ def main() -> int:
         results["speedup"] = results["sync"]["wall_s"] / results["async"]["wall_s"]
         print(f"pair {rep + 1}: speedup {results['speedup']:.2f}x", flush=True)
         pairs.append(results)
-    speedups = [p["speedup"] for p in pairs]
-    # The (lower) median pair: its speedup is the one reported, so "speedup" stays
-    # sync wall / async wall of the "sync" and "async" written next to it.
-    results = next(p for p in pairs if p["speedup"] == statistics.median_low(speedups))
-    out = {
-        "sync": results["sync"],
-        "async": results["async"],
-        "speedup": results["speedup"],
-        "speedup_range": [min(speedups), max(speedups)],
-        "pairs": [{"first": p["first"], "speedup": p["speedup"],
-                   "sync_wall_s": p["sync"]["wall_s"], "async_wall_s": p["async"]["wall_s"]}
-                  for p in pairs],
-        "throughput_ratio": results["async"]["effective_tokens_per_s"]
-        / results["sync"]["effective_tokens_per_s"],
-        "reward_delta": results["async"]["final_reward"] - results["sync"]["final_reward"],
-        "config": {"steps": steps, "quick": args.quick, "repeats": len(pairs), "seed": args.seed,
-                   "task": args.task,
-                   "staleness": args.staleness, "overrides": args.overrides,
-                   "batch_groups": 8, "group_size": 8},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version()},
-    }
+    out = report(pairs, {"steps": steps, "quick": args.quick, "seed": args.seed,
+                         "task": args.task, "staleness": args.staleness,
+                         "overrides": args.overrides, "batch_groups": 8, "group_size": 8})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"speedup {out['speedup']:.2f}x, median of {len(pairs)} pairs (range "
-          f"{min(speedups):.2f}-{max(speedups):.2f}; median pair: sync "
-          f"{results['sync']['wall_s']:.1f}s, async {results['async']['wall_s']:.1f}s); final reward sync "
-          f"{results['sync']['final_reward']:.3f} vs async {results['async']['final_reward']:.3f}")
+    low, high = out["speedup_range"]
+    print(f"speedup {out['speedup']:.2f}x, median of {len(pairs)} pairs (range {low:.2f}-"
+          f"{high:.2f}; median pair: sync {out['sync']['wall_s']:.1f}s, async "
+          f"{out['async']['wall_s']:.1f}s); final reward sync {out['sync']['final_reward']:.3f} "
+          f"vs async {out['async']['final_reward']:.3f}")
     print(f"wrote {args.out}")
     return 0
 

@@ -208,14 +208,21 @@ def run_oolong(workload: str, staleness: int, model: Path, steps: int, seed: int
         f"trainer.lr={w['lr']}", f"trainer.steps={steps}", "eval.every=0", "checkpoint.every=0",
         *overrides])
     train(spec, progress=False)
-    rows = [r for r in read_metrics(run_dir) if r["step"] > 0]
+    return oolong_result([r for r in read_metrics(run_dir) if r["step"] > 0], workload,
+                         staleness, spec.rollout.num_servers, spec.model.dtype)
+
+
+def oolong_result(rows: list[dict[str, Any]], workload: str, staleness: int, num_servers: int,
+                  dtype: str) -> dict[str, Any]:
+    """One Oolong side's figures from its metric rows (steps > 0): tokens are the batch's
+    response tokens, as TRL's side counts them."""
+    w = WORKLOADS[workload]
     batch = w["group_size"] * w["batch_groups"]
     return {**_summary([r["time/step_s"] for r in rows],
                        [r["response_length/mean"] * batch for r in rows],
                        [r["reward/mean"] for r in rows]),
-            "max_staleness": staleness, "num_servers": spec.rollout.num_servers,
-            "precision": spec.model.dtype,
-            "threads": (f"{spec.rollout.num_servers} rollout servers (each an HTTP front end "
+            "max_staleness": staleness, "num_servers": num_servers, "precision": dtype,
+            "threads": (f"{num_servers} rollout servers (each an HTTP front end "
                         "and an engine process decoding on 1 thread) and the trainer (1 thread); "
                         f"the trainer borrows idle servers' threads up to {CORES}")}
 

@@ -42,3 +42,26 @@ def test_an_even_number_of_rounds_takes_the_lower_middle_one():
     vs_trl = _vs_trl()
     report = vs_trl.combine_rounds([_round(0.3, 0.2, 0.1, "a"), _round(0.2, 0.2, 0.1, "b")])
     assert report["median_round"] == 1 and report["async_vs_trl"] == pytest.approx(2.0)
+
+
+def test_a_side_skips_its_first_steps_for_the_median_and_rate():
+    vs_trl = _vs_trl()
+    step_s = [5.0, 4.0, 3.0, 1.0, 2.0, 1.0, 1.0]  # the first SKIP steps carry start-up costs
+    out = vs_trl._summary(step_s, [10.0] * 7, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7])
+    assert vs_trl.SKIP == 3
+    assert out["steps"] == 7 and out["step_s_median"] == 1.0
+    assert out["tokens_per_s"] == pytest.approx(40.0 / 5.0)
+    assert out["reward_first"] == pytest.approx(0.1) and out["reward_last"] == pytest.approx(0.7)
+    assert out["reward_curve"] == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
+
+
+def test_an_oolong_side_counts_the_batchs_response_tokens_as_trl_does():
+    vs_trl = _vs_trl()
+    w = vs_trl.WORKLOADS["demo"]
+    rows = [{"step": i, "time/step_s": 0.5, "response_length/mean": 6.0, "reward/mean": 0.5}
+            for i in range(1, 6)]
+    out = vs_trl.oolong_result(rows, "demo", 2, 1, "float32")
+    batch = w["group_size"] * w["batch_groups"]
+    assert out["tokens_per_s"] == pytest.approx(6.0 * batch / 0.5)
+    assert out["max_staleness"] == 2 and out["precision"] == "float32"
+    assert out["steps"] == 5 and "1 rollout servers" in out["threads"]
