@@ -12,13 +12,10 @@ for a weight push; ``/model_info`` answers then too, with the version the server
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 
-import httpx
-
-from training_core.engines.json_http import JsonHttpClient
+from training_core.engines.rollout_client import RolloutClient
 
 
 @dataclass(frozen=True)
@@ -29,30 +26,16 @@ class ProbeResult:
 
 async def probe_async(urls: list[str], *, timeout_s: float = 5.0,
                       concurrency: int = 64) -> list[dict | None]:
-    limit = asyncio.Semaphore(max(concurrency, 1))
-    # The rollout transport (training_core.engines.json_http): what generation goes over.
-    client = JsonHttpClient(timeout_s=timeout_s, connect_timeout_s=timeout_s)
-
-    async def one(url: str) -> dict | None:
-        async with limit:
-            try:
-                # the whole exchange is bounded, not each read: a server trickling bytes
-                # cannot hold the poll past timeout_s
-                status, data = await asyncio.wait_for(client.get(url + "/model_info"), timeout_s)
-            except (httpx.HTTPError, TimeoutError, OSError):
-                return None
-        if status != 200:
-            return None
-        try:
-            body = json.loads(data)
-        except ValueError:  # it answers, without a version to report
-            return {}
-        return body if isinstance(body, dict) else {}
-
+    """Per server (in ``urls``' order): its ``/model_info``, ``{}`` when it answers without
+    one, None when it does not answer in ``timeout_s``. Over the rollout transport (what
+    generation goes over), through the client's monitoring round."""
+    client = RolloutClient(urls, timeout_s=timeout_s)
     try:
-        return list(await asyncio.gather(*(one(u) for u in urls)))
+        infos = await client.server_infos(path="/model_info", timeout_s=timeout_s,
+                                          concurrency=concurrency)
     finally:
         await client.aclose()
+    return [infos[u.rstrip("/")] for u in urls]
 
 
 def probe(urls: list[str], *, timeout_s: float = 5.0, concurrency: int = 64) -> ProbeResult:

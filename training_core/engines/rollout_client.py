@@ -411,17 +411,27 @@ class RolloutClient:
         for server in self.servers:  # every server has the new weights now
             server.behind = False
 
-    async def server_infos(self, urls: set[str] | None = None, *,
-                           timeout_s: float = 2.0) -> dict[str, dict[str, Any] | None]:
-        """``GET /server_info`` of each server (of ``urls`` only, when given), concurrently and
-        without retries: for monitoring, so a server that does not answer in ``timeout_s`` (or
-        at all) is None, never an error."""
+    async def server_infos(self, urls: set[str] | None = None, *, path: str = "/server_info",
+                           timeout_s: float = 2.0,
+                           concurrency: int | None = None) -> dict[str, dict[str, Any] | None]:
+        """``GET path`` of each server (of ``urls`` only, when given), concurrently (at most
+        ``concurrency`` at once) and without retries, for monitoring: a server that does not
+        answer within ``timeout_s`` (the whole exchange, so one trickling bytes cannot hold the
+        round) or answers an error is None, never an exception; one that answers 200 without a
+        JSON object is ``{}`` (alive, nothing to report). A round costs about the slowest answer,
+        at most ``ceil(n / concurrency) * timeout_s``."""
+        limit = asyncio.Semaphore(max(concurrency or len(self.servers), 1))
+
         async def one(server: _Server) -> dict[str, Any] | None:
-            try:
-                info = await self._request(server, "GET", "/server_info", timeout_s=timeout_s)
-            except (httpx.TransportError, RolloutServerError):
-                return None
-            return info if isinstance(info, dict) else None
+            async with limit:
+                try:
+                    info = await asyncio.wait_for(
+                        self._request(server, "GET", path, timeout_s=timeout_s), timeout_s)
+                except RolloutServerError as exc:
+                    return {} if exc.status is not None and exc.status < 400 else None
+                except (httpx.HTTPError, TimeoutError, OSError):
+                    return None
+            return info if isinstance(info, dict) else {}
 
         chosen = [s for s in self.servers if urls is None or s.url in urls]
         infos = await asyncio.gather(*[one(s) for s in chosen])

@@ -279,3 +279,31 @@ def test_a_server_behind_the_trainers_version_is_not_routed_to_until_the_next_up
     assert all(r.output_versions == [4] for r in later)
     assert "127.0.0.3" in hits[before + 4:], "routed to again once the update reached it"
     assert all(r.output_versions == [5] for r in after)
+
+
+def test_a_monitoring_round_reports_each_server_and_never_raises():
+    """server_infos (the rollout profile's and the supervise probe's round): an answer is kept,
+    a 200 without a JSON object is alive ({}), an error or a hung server is None, bounded by
+    timeout_s for the whole exchange."""
+    urls = [f"http://127.0.0.{i}:30000" for i in range(2, 6)]
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if host == "127.0.0.2":
+            return httpx.Response(200, json={"weight_version": "3"})
+        if host == "127.0.0.3":
+            return httpx.Response(200, text="ok")
+        if host == "127.0.0.4":
+            return httpx.Response(500, text="boom")
+        await asyncio.sleep(30)  # hung
+        return httpx.Response(200, json={})
+
+    async def go():
+        client = RolloutClient(urls, connect=ScriptedServer(handler))
+        try:
+            return await client.server_infos(path="/model_info", timeout_s=0.5, concurrency=2)
+        finally:
+            await client.aclose()
+
+    infos = asyncio.run(go())
+    assert infos == {urls[0]: {"weight_version": "3"}, urls[1]: {}, urls[2]: None, urls[3]: None}
