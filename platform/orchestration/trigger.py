@@ -18,6 +18,8 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
+from training_core.processes import process_env
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOYMENT = "training-run/training-run"
 
@@ -32,18 +34,21 @@ def sweep_dir(sweep_id: int) -> Path:
     return Path(os.environ.get("OOLONG_RUNS_DIR", ROOT / "runs")) / "sweeps" / f"sweep-{sweep_id}"
 
 
+# What a flow inherits beyond what every run process does (training_core.processes.ENV_ALLOW):
+# Prefect's settings, the platform's own, Terraform's. An allow-list, like the processes': the
+# web app's database, broker and secret key never reach a flow, nor anything else that happens
+# to be in the worker's environment.
+FLOW_ENV_PREFIXES = ("PREFECT_", "OOLONG_", "TF_")
+
+
 def prefect_env() -> dict[str, str]:
-    env = dict(os.environ)
+    env = process_env({k: v for k, v in os.environ.items() if k.startswith(FLOW_ENV_PREFIXES)})
     env.setdefault("PREFECT_HOME", str(ROOT / ".cache" / "prefect"))
     env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     env.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     env.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
     paths = [str(ROOT), str(ROOT / "platform"), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    # Flows and trainers never get the web app's database or broker credentials.
-    for secret in ("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "DJANGO_SECRET_KEY",
-                   "DJANGO_CACHE_URL"):
-        env.pop(secret, None)
     return env
 
 

@@ -90,7 +90,7 @@ def stack(live_server, settings, tmp_path, transactional_db):
            # Cloud nodes through the stand-in terraform (it hands out this machine as the node).
            "OOLONG_TERRAFORM_BIN": str(ROOT / "tests" / "orchestration" / "fake_terraform.py"),
            "OOLONG_TERRAFORM_WORKSPACES": str(tmp_path / "terraform"),
-           "OOLONG_TERRAFORM_SKIP_CREDENTIAL_CHECK": "1", "FAKE_TF_LOG": str(tmp_path / "tf-calls.jsonl"),
+           "OOLONG_TERRAFORM_SKIP_CREDENTIAL_CHECK": "1", "OOLONG_FAKE_TF_LOG": str(tmp_path / "tf-calls.jsonl"),
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "platform")])}
     subprocess.run(["redis-cli", "-u", broker, "flushdb"], capture_output=True)
     log = tmp_path / "worker.log"

@@ -5,7 +5,7 @@ Implements the CLI surface the TerraformNodeProvider uses, with Terraform's own 
 `init` creates .terraform/, `apply -auto-approve -var-file=F` "creates" resources into
 terraform.tfstate (a failed apply leaves the resources it made in the state, like the real one),
 `output -json` prints {"name": {"sensitive": false, "type": ..., "value": ...}}, `destroy`
-empties the state. Every call is appended to $FAKE_TF_LOG. The node is this machine (127.0.0.1),
+empties the state. Every call is appended to $OOLONG_FAKE_TF_LOG. The node is this machine (127.0.0.1),
 so a flow provisioned by it really runs.
 
 Failure switches, by instance_type: "fake.fail-apply" (apply dies after the network exists),
@@ -22,7 +22,7 @@ STATE = Path("terraform.tfstate")
 
 
 def record(argv):
-    log = os.environ.get("FAKE_TF_LOG")
+    log = os.environ.get("OOLONG_FAKE_TF_LOG")
     if log:
         with open(log, "a") as fh:
             fh.write(json.dumps({"argv": argv, "cwd": os.getcwd(), "time": time.time()}) + "\n")

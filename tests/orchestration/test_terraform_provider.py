@@ -20,7 +20,7 @@ def _spec(**overrides):
 
 @pytest.fixture
 def provider(tmp_path, monkeypatch):
-    monkeypatch.setenv("FAKE_TF_LOG", str(tmp_path / "calls.jsonl"))
+    monkeypatch.setenv("OOLONG_FAKE_TF_LOG", str(tmp_path / "calls.jsonl"))
     return TerraformNodeProvider(terraform_bin=str(FAKE), workspaces_root=tmp_path / "ws",
                                  check_credentials=False)
 

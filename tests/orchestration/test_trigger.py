@@ -41,7 +41,16 @@ def test_flows_inherit_no_web_app_secret(monkeypatch):
                "DJANGO_CACHE_URL": "redis://:password@cache/2"}
     for key, value in secrets.items():
         monkeypatch.setenv(key, value)
+    # An allow-list: a secret nobody thought of (here a payment key) does not pass either.
+    monkeypatch.setenv("STRIPE_API_KEY", "sk_live_x")
     monkeypatch.setenv("OOLONG_RUNS_DIR", "/runs")
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    monkeypatch.setenv("TF_CLI_CONFIG_FILE", "/etc/terraformrc")
+    monkeypatch.setenv("AWS_PROFILE", "oolong")
     env = prefect_env()
-    assert not set(secrets) & set(env)
-    assert env["OOLONG_RUNS_DIR"] == "/runs"  # the rest passes
+    assert not (set(secrets) | {"STRIPE_API_KEY"}) & set(env)
+    # what a flow needs: the platform's, Prefect's, Terraform's and the cloud's settings
+    assert env["OOLONG_RUNS_DIR"] == "/runs"
+    assert env["PREFECT_API_URL"] == "http://127.0.0.1:4200/api"
+    assert env["TF_CLI_CONFIG_FILE"] == "/etc/terraformrc" and env["AWS_PROFILE"] == "oolong"
+    assert env["PATH"] == os.environ["PATH"]
