@@ -242,7 +242,8 @@ class RewardSpec(_Section):
     remote_backend: str = Field("orchestration.celery_rewards:CeleryRewardBackend",
                                 description="the remote executor's backend class (import path)")
     workers: int = Field(1, ge=1, description="reward worker processes")
-    timeout_s: float = Field(10.0, gt=0, description="per reward call; a timeout scores 0")
+    timeout_s: float = Field(10.0, gt=0, le=300, description=(
+        "per reward call; a timeout scores 0. At most 300 s: the remote pool's task limit"))
     max_failing_steps: int = Field(3, ge=1, description=(
         "fail the run when more than half of a step's rewards fail (raise, time out, die) for "
         "this many consecutive steps; a failed reward scores 0, so such a run would only look "

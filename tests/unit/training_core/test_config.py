@@ -106,3 +106,14 @@ def test_terraform_vars_are_typed_and_cannot_inject_into_cloud_init():
     with pytest.raises(SpecError) as err:  # the run id is the run's own, never given
         spec({**base, "run_id": 1})
     assert "orchestration.terraform_vars.run_id" in err.value.errors
+
+
+def test_a_reward_timeout_past_the_remote_pools_task_limit_is_refused():
+    """A call allowed 400 s would be killed by the Celery task's limit first (remote executor),
+    as an error rather than a timeout: the spec refuses it, naming the field."""
+    from workers.tasks import REWARD_SCORE_LIMITS
+
+    limit = REWARD_SCORE_LIMITS["soft_time_limit"]
+    assert load_spec(None, [f"reward.timeout_s={limit}"]).reward.timeout_s == limit
+    with pytest.raises(SpecError, match="reward.timeout_s"):
+        load_spec(None, [f"reward.timeout_s={limit + 1}"])
