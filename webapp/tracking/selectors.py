@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import bisect
+import itertools
+import operator
 from typing import Any
 
 from django.db import connection
@@ -124,17 +126,18 @@ def _series_batch(run: Run, keys: list[str], buckets: int) -> dict[str, dict[str
             # (key, level) pairs spelled out, so that both are index conditions.
             where = " OR ".join(["(key = %s AND level = %s)" if level_filter else "key = %s"]
                                 * len(chosen))
+            # Ordered by the database and split into columns by zip: a run page's read is ~10k
+            # rows, and a Python statement per row was a third of the request's CPU.
             cur.execute(
                 f"SELECT key, {columns} FROM {table} WHERE run_id = %s AND ({where}) "
-                f"GROUP BY key, ({unit} - CASE key {when} END) / CASE key {when} END",
+                f"GROUP BY key, ({unit} - CASE key {when} END) / CASE key {when} END "
+                "ORDER BY 1, 2",
                 [run.id, *(case(1) if level_filter else chosen), *case(2), *case(3)])
-            for key, step, mean, low, high, wall in sorted(cur.fetchall(), key=lambda r: r[:2]):
+            for key, rows in itertools.groupby(cur.fetchall(), key=operator.itemgetter(0)):
+                _, steps, means, lows, highs, walls = zip(*rows, strict=True)
                 series = out[key]
-                series["step"].append(step)
-                series["mean"].append(mean)
-                series["min"].append(low)
-                series["max"].append(high)
-                series["time"].append(wall)
+                series["step"], series["mean"], series["min"], series["max"], series["time"] = (
+                    list(steps), list(means), list(lows), list(highs), list(walls))
     return out
 
 

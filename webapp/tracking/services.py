@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Any
@@ -10,7 +11,8 @@ import psycopg
 from django.db import connection, models, transaction
 
 from webapp.core.errors import ApplicationError
-from webapp.core.json_input import json_check
+from webapp.core.json_input import MAX_DEPTH, json_check
+from webapp.core.parsers import nested_deeper_than
 from webapp.runs.models import Run
 from webapp.tracking.models import (
     ROLLUP_LEVELS,
@@ -222,27 +224,57 @@ def _latest_upsert(run: Run, rows: list[tuple[str, int, float, float]]) -> None:
 
 
 def trajectories_ingest(*, run: Run, samples: list[dict[str, Any]]) -> int:
-    objs = []
+    """Store samples by (run, step, index); a sample already stored is left as it was (a retried
+    batch changes nothing). Returns the number of samples received."""
+    rows = []
     for i, s in enumerate(samples):
         try:
             step = _int64(s["step"], f"samples[{i}].step")
             index = _int64(s.get("index", i), f"samples[{i}].index")
             if not 0 <= index <= 2**31 - 1:
                 raise ApplicationError("must be between 0 and 2147483647", field=f"samples[{i}].index")
-            sample = TrajectorySample(
-                run=run, step=step, index=index, prompt=str(s["prompt"]),
-                completion=str(s["completion"]), reward=float(s["reward"]),
-                tokens=list(s.get("tokens", [])), token_versions=list(s.get("token_versions", [])),
-                info=dict(s.get("info", {})))
-            json_check({"prompt": sample.prompt, "completion": sample.completion,
-                        "reward": sample.reward, "tokens": sample.tokens,
-                        "token_versions": sample.token_versions, "info": sample.info},
-                       f"samples[{i}]")
-            objs.append(sample)
+            rows.append({"step": step, "index": index, "prompt": str(s["prompt"]),
+                         "completion": str(s["completion"]), "reward": float(s["reward"]),
+                         "tokens": list(s.get("tokens", [])),
+                         "token_versions": list(s.get("token_versions", [])),
+                         "info": dict(s.get("info", {}))})
         except (KeyError, TypeError, ValueError):
             raise ApplicationError("each sample needs step, prompt, completion, reward",
                                    field=f"samples[{i}]") from None
+    document = _samples_document(rows)
+    if connection.vendor == "postgresql":
+        # One statement over one JSON document (encoded in C): the ORM's bulk insert quoted every
+        # token of every sample into a PostgreSQL array literal in Python, ~half the request.
+        table = TrajectorySample._meta.db_table
+        with connection.cursor() as cur:
+            cur.execute(
+                f'INSERT INTO {table} (run_id, step, "index", prompt, completion, reward, tokens, '
+                "token_versions, info) SELECT %s, step, \"index\", prompt, completion, reward, tokens, "
+                "token_versions, info FROM jsonb_to_recordset(%s::jsonb) AS x(step bigint, "
+                '"index" integer, prompt text, completion text, reward float8, tokens jsonb, '
+                "token_versions jsonb, info jsonb) ON CONFLICT (run_id, step, \"index\") DO NOTHING",
+                [run.id, document])
+        return len(rows)
+    objs = [TrajectorySample(run=run, **row) for row in rows]
     return len(TrajectorySample.objects.bulk_create(objs, ignore_conflicts=True))
+
+
+def _samples_document(rows: list[dict[str, Any]]) -> str:
+    """The samples as one JSON text, after the checks json_check makes (no NUL, finite numbers,
+    bounded depth). The encoder checks the whole batch at C speed; only a batch it refuses, or
+    whose text holds an escaped NUL or may nest too deep, is walked in Python, sample by sample,
+    to name the bad field (a 400)."""
+    try:
+        document = json.dumps(rows, allow_nan=False, ensure_ascii=False)
+    except ValueError:
+        document = None
+    if document is None or "\\u0000" in document or any(
+            nested_deeper_than(row, MAX_DEPTH) for row in rows):
+        for i, row in enumerate(rows):
+            json_check({k: v for k, v in row.items() if k not in ("step", "index")}, f"samples[{i}]")
+        # json_check passed: nothing is left for the encoder to refuse.
+        document = json.dumps(rows, allow_nan=False, ensure_ascii=False)
+    return document
 
 
 def checkpoint_record(*, run: Run, step: int, version: int, path: str) -> Checkpoint:
