@@ -3,8 +3,11 @@
     python benchmarks/web_load.py --quick --out bench-results/web_load_quick.json
 
 The stack is the one an operator runs (docs/operations.md): ``scripts/serve.sh`` (migrations, then
-gunicorn with gthread workers) on the production settings, PostgreSQL, Redis as the shared cache
-and the Celery broker. Everything talks to 127.0.0.1 only.
+gunicorn with gthread workers) on the production settings, and a second ``scripts/serve.sh`` with
+``OOLONG_WEB_POOL=ingest``, the pool the proxy sends ``/api/ingest/`` to (``--single-pool``: one
+pool serves everything, the setup before); PostgreSQL, Redis as the shared cache and the Celery
+broker. Everything talks to 127.0.0.1 only: the ingesters post to the ingest pool's port
+directly, as the proxy would forward them.
 
 - 32 ingesters, one per run, speak the trainer's protocol (training_core/tracking_sink.py) with
   the run's ingest token: report ``running``, then, without pausing, POST a batch of metric
@@ -437,7 +440,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def stack_snapshot(server_pid: int) -> dict[str, Any]:
+def stack_snapshot(server_pids: list[int]) -> dict[str, Any]:
     """CPU seconds so far of the gunicorn master and workers and of the PostgreSQL backends
     serving this database, and the machine's jiffies."""
     from django.db import connection
@@ -447,7 +450,7 @@ def stack_snapshot(server_pid: int) -> dict[str, Any]:
                     "AND pid <> pg_backend_pid()")
         backends = [r[0] for r in cur.fetchall()]
     connection.close()
-    web = [server_pid, *_children(server_pid)]
+    web = [p for pid in server_pids for p in (pid, *_children(pid))]
     return {"web": {p: _cpu_s(p) for p in web}, "pg": {p: _cpu_s(p) for p in backends},
             "jiffies": _machine_jiffies()}
 
@@ -482,11 +485,16 @@ async def warm_up(base: str, api_token: str, run_ids: list[int], concurrency: in
             ] * concurrency])
 
 
-def start_server(port: int, env: dict[str, str], workers: int, threads: int, log_path: Path):
+def start_server(port: int, env: dict[str, str], workers: int, threads: int, log_path: Path,
+                 pool: str = "web", nice: int = 10):
+    """``scripts/serve.sh`` for ``pool`` (web: every page and API; ingest: what the proxy sends
+    /api/ingest/ to, at CPU priority ``nice``), listening on ``port``."""
     import httpx
 
-    env = {**env, "OOLONG_WEB_BIND": f"127.0.0.1:{port}", "OOLONG_WEB_WORKERS": str(workers),
-           "OOLONG_WEB_THREADS": str(threads)}
+    prefix = "OOLONG_WEB" if pool == "web" else "OOLONG_INGEST"
+    env = {**env, "OOLONG_WEB_POOL": pool, f"{prefix}_BIND": f"127.0.0.1:{port}",
+           f"{prefix}_WORKERS": str(workers), f"{prefix}_THREADS": str(threads),
+           "OOLONG_INGEST_NICE": str(nice)}
     log = log_path.open("w")
     # No control socket: its default path is one per user, which a second server would take.
     proc = subprocess.Popen(["bash", "scripts/serve.sh", "--error-logfile", "-", "--no-control-socket"],
@@ -542,6 +550,12 @@ def main() -> int:
     parser.add_argument("--think-s", type=float, default=0.5, help="users' mean pause between pages")
     parser.add_argument("--workers", type=int, default=0, help="gunicorn workers (default: serve.sh's)")
     parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--ingest-workers", type=int, default=0,
+                        help="workers of the ingest pool (default: serve.sh's, one per core)")
+    parser.add_argument("--ingest-threads", type=int, default=4)
+    parser.add_argument("--ingest-nice", type=int, default=10, help="the ingest pool's CPU priority")
+    parser.add_argument("--single-pool", action="store_true",
+                        help="one pool serves ingest and pages alike (the setup before the split)")
     parser.add_argument("--database-url", help="a scratch database: dropped and created afresh",
                         default=os.environ.get(
         "BENCH_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/oolong_web_load"))
@@ -552,6 +566,7 @@ def main() -> int:
     duration = args.duration_s or (60.0 if args.quick else 180.0)
     history = args.history_steps if args.history_steps is not None else (200 if args.quick else 2000)
     workers = args.workers or 2 * os.cpu_count() + 1
+    ingest_workers = args.ingest_workers or os.cpu_count()
     if not args.database_url.startswith("postgres") or "127.0.0.1" not in args.database_url \
             or "127.0.0.1" not in args.redis_url:
         parser.error("--database-url and --redis-url: PostgreSQL and Redis on 127.0.0.1 only")
@@ -616,8 +631,15 @@ def main() -> int:
     log_path = data_dir / "gunicorn.log"
     data_dir.mkdir(parents=True, exist_ok=True)
     server, base = start_server(port, env, workers, args.threads, log_path)
+    servers, ingest_base = [server], base
     try:
-        asyncio.run(warm_up(base, users[0][2], run_ids, workers * args.threads // 3 + 1))
+        if not args.single_pool:  # started after the web pool: that one runs the migrations
+            ingest_server, ingest_base = start_server(
+                free_port(), env, ingest_workers, args.ingest_threads,
+                data_dir / "gunicorn-ingest.log", pool="ingest", nice=args.ingest_nice)
+            servers.append(ingest_server)
+        for b in dict.fromkeys([base, ingest_base]):
+            asyncio.run(warm_up(b, users[0][2], run_ids, workers * args.threads // 3 + 1))
         sessions = asyncio.run(login_all(base, [(u, p) for u, p, _ in users]))
         browsers = [(cookies, tok) for cookies, (_, _, tok) in zip(sessions, users, strict=True)]
         run_keys = ",".join(dict.fromkeys(k for _, _, charts in RUN_CHART_GROUPS for _, ks in charts for k in ks))
@@ -625,10 +647,10 @@ def main() -> int:
         ctx = multiprocessing.get_context("fork")
         ingest_rx, ingest_tx = ctx.Pipe(duplex=False)
         users_rx, users_tx = ctx.Pipe(duplex=False)
-        before = stack_snapshot(server.pid)
+        before = stack_snapshot([s.pid for s in servers])
         load_start = time.perf_counter()
         ingesting = tokens if args.ingesting is None else tokens[:args.ingesting]
-        procs = [ctx.Process(target=ingest_main, args=(base, ingesting, history, keys, args.steps_per_post,
+        procs = [ctx.Process(target=ingest_main, args=(ingest_base, ingesting, history, keys, args.steps_per_post,
                                                       duration, ingest_tx), daemon=True),
                  ctx.Process(target=users_main, args=(base, browsers, run_ids, run_keys, compare_keys,
                                                       COMPARE_BUCKETS, RUN_BUCKETS, args.think_s,
@@ -638,13 +660,14 @@ def main() -> int:
         give_up = time.monotonic() + duration + 300
         ingest = _receive(ingest_rx, procs[0], give_up)
         user_side = _receive(users_rx, procs[1], give_up)
-        cpu = cpu_report(before, stack_snapshot(server.pid), ingest["cpu_s"] + user_side["cpu_s"],
+        cpu = cpu_report(before, stack_snapshot([s.pid for s in servers]), ingest["cpu_s"] + user_side["cpu_s"],
                          time.perf_counter() - load_start)
         for p in procs:
             p.join(timeout=30)
         load_s = time.perf_counter() - load_start
     finally:
-        stop_server(server)
+        for s in servers:
+            stop_server(s)
     if any(p.exitcode for p in procs):
         raise RuntimeError(f"a client process failed: exit codes {[p.exitcode for p in procs]}")
 
@@ -659,7 +682,11 @@ def main() -> int:
               "samples_per_step": SAMPLES_PER_STEP, "history_steps": history,
               "compare_runs": COMPARE_RUNS, "think_s": args.think_s,
               "server": {"command": "scripts/serve.sh (gunicorn gthread)", "workers": workers,
-                         "threads": args.threads, "settings": "webapp.config.settings.production"},
+                         "threads": args.threads, "settings": "webapp.config.settings.production",
+                         "ingest_pool": None if args.single_pool else {
+                             "command": "OOLONG_WEB_POOL=ingest scripts/serve.sh",
+                             "workers": ingest_workers, "threads": args.ingest_threads,
+                             "nice": args.ingest_nice}},
               "cpu": cpu,
               "setup_s": setup_s, "load_wall_s": load_s}
     report = build_report(requests=requests, pages=user_side["pages"], duration_s=duration,
