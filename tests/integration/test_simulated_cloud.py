@@ -1,0 +1,189 @@
+"""The Terraform path, shown by simulation: two cloud GPU nodes booted from the cloud-init the
+gpu_node_pool module renders (rendered by Terraform itself), a real Prefect server as the control
+plane's, and a short training run placed on them.
+
+Each node is its own loopback address (127.0.0.2, 127.0.0.3), its own directory (its "disk") and
+its own venv, into which the rendered ``pip install`` commands install a wheel of this project
+built by the test: nothing of the checkout is shared with a node. The work pool does not exist
+when the run starts: the nodes' workers create it, as on a fresh cloud pool, and the flow waits
+for them. How the simulation stays honest, and the few things it cannot do here (the metadata
+service, apt, systemd, the ubuntu user), is in ``cloud_sim.py``'s docstring.
+
+One shortcut, for time and disk: the node venvs see this machine's third-party distributions
+(torch, DeepSpeed, Prefect...) through a ``.pth`` line instead of downloading them
+(``cloud_sim.dependency_dir``); the rendered ``pip install`` lines run as written and find them
+satisfied, and pip writes no console script for them, so the test writes Prefect's (the
+unit's ExecStart runs it). Oolong itself is installed from the wheel into each node's venv; the
+test asserts that the node's Python imports it from there, and that every process of the run on
+a node runs that venv's Python, outside the checkout, with no PYTHONPATH into it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration import cloud_sim
+from tests.integration.conftest import ROOT, create_run, run_processes, run_status, wait_for
+from tests.integration.test_multinode import _healthy, _kill, _prefect_env, _spawn, admin
+from training_core.launch import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.multinode]
+POOL = "oolong-cloud-sim"
+NODES = ["127.0.0.2", "127.0.0.3"]
+PORT_RANGE = "41000-41499"  # the security group's server_port_range, here
+# This machine's, not the node's: no GPU (DeepSpeed's CPU accelerator, one thread per process)
+# and no model hub. A GPU node with network needs none of them.
+MACHINE_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+# A node's package index, as behind a mirror: this machine's offline copy, when it has one.
+MIRROR = Path("/opt/pypi/simple")
+
+__all__ = ["admin"]  # the fixture, shared with test_multinode
+
+
+def _dpkg_installed(package: str) -> bool:
+    out = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package], capture_output=True,
+                         text=True)
+    return out.returncode == 0 and out.stdout.endswith("installed")
+
+
+@pytest.fixture
+def cloud(tmp_path, monkeypatch):
+    """A Prefect server, then two nodes booted from their rendered cloud-init, each with its
+    worker started as its systemd unit; the environment the web app's stack passes on
+    (PREFECT_API_URL, the nodes, the pool) is set for the training-run flow."""
+    db = "oolong_prefect_cloud_sim"
+    subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-c", f"DROP DATABASE IF EXISTS {db}"],
+                   capture_output=True)
+    subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-c", f"CREATE DATABASE {db}"],
+                   check=True, capture_output=True)
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = _prefect_env(api, tmp_path / "prefect-home")
+    server_env = {**env, "PREFECT_API_DATABASE_CONNECTION_URL":
+                  f"postgresql+asyncpg://postgres@127.0.0.1:5432/{db}"}
+    procs = [_spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                     "--port", str(port)], tmp_path / "prefect-server.log", server_env, tmp_path)]
+    store = tmp_path / "checkpoint-store"
+    nodes: list[cloud_sim.SimulatedNode] = []
+    try:
+        wheel = cloud_sim.build_wheel(tmp_path / "wheel")
+        deps = cloud_sim.dependency_dir(tmp_path / "machine-dependencies")
+        pip_env = {"PIP_INDEX_URL": MIRROR.as_uri()} if MIRROR.is_dir() else {}
+        wait_for(lambda: _healthy(api), 120, "the Prefect server")
+        for i, address in enumerate(NODES):
+            node = cloud_sim.SimulatedNode(i, address, tmp_path / f"node-{i}")
+            rendered = cloud_sim.render_cloud_init(
+                {"oolong_package": f"{wheel}[core,orchestration]", "sglang_version": "",
+                 "prefect_api_url": api, "work_pool": POOL, "node_index": i,
+                 "port_range": PORT_RANGE, "checkpoint_store": store.as_uri(),
+                 "runs_dir": str(node.root / "runs")}, tmp_path / f"console-{i}")
+            with cloud_sim.FakeIMDS(address) as imds:
+                # the venv exists once `python3.11 -m venv` ran: the dependency link goes in
+                # before the pip lines (a pre-baked image's packages, in effect)
+                node.boot(rendered, imds.url, pip_env,
+                          after_venv=lambda n=node: cloud_sim.link_dependencies(n.venv, deps))
+            cloud_sim.console_script(node.venv, "prefect", "prefect.cli", "app")
+            procs.append(node.start_worker(MACHINE_ENV))
+            nodes.append(node)
+        for node in nodes:
+            wait_for(lambda n=node: "started" in (n.root / "worker.log").read_text().lower(), 120,
+                     f"the worker of node-{node.index}")
+        monkeypatch.setenv("PREFECT_API_URL", api)
+        monkeypatch.setenv("OOLONG_STATIC_NODES", ",".join(NODES))
+        monkeypatch.setenv("OOLONG_NODE_POOL", POOL)
+        yield {"api": api, "nodes": nodes, "procs": procs, "store": store, "wheel": wheel}
+    finally:
+        for proc in reversed(procs):
+            _kill(proc)
+
+
+def test_fake_imds_speaks_imdsv2():
+    """The stand-in refuses what the real service refuses: no token, a bad TTL."""
+    import httpx
+
+    with cloud_sim.FakeIMDS("127.0.0.2") as imds:
+        meta = imds.url + "/latest/meta-data/local-ipv4"
+        assert httpx.get(meta).status_code == 401
+        assert httpx.put(imds.url + "/latest/api/token").status_code == 400
+        token = httpx.put(imds.url + "/latest/api/token",
+                          headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"}).text
+        assert httpx.get(meta, headers={"X-aws-ec2-metadata-token": "forged"}).status_code == 401
+        answer = httpx.get(meta, headers={"X-aws-ec2-metadata-token": token})
+        assert answer.status_code == 200 and answer.text == "127.0.0.2"
+
+
+def test_a_run_on_two_nodes_booted_from_terraforms_cloud_init(cloud, stack, admin):
+    from webapp.runs.models import Run, RunEvent
+
+    nodes: list[cloud_sim.SimulatedNode] = cloud["nodes"]
+    # What could not run here is exactly what the module docstring names.
+    for node in nodes:
+        assert [c.split()[0] for c in node.skipped] == ["chown", "systemctl", "systemctl"], \
+            node.skipped
+        missing = [p for p in node.doc["packages"] if not _dpkg_installed(p)]
+        assert not missing, f"apt packages the node gets but this machine lacks: {missing}"
+        env = node.environment_file()
+        assert env["OOLONG_NODE_ADDRESS"] == node.address  # from the metadata service
+        assert env["OOLONG_RUNS_DIR"] == str(node.root / "runs")
+        assert env["OOLONG_CHECKPOINT_STORE"] == cloud["store"].as_uri()
+        assert "OOLONG_SGLANG_PYTHON" not in env  # sglang_version="": embedded servers
+        # The node's Python imports Oolong from its own venv (the wheel), not from the checkout.
+        where = subprocess.run(
+            [str(node.venv / "bin" / "python"), "-c",
+             "import training_core, orchestration.flows.node_processes as f, prefect;"
+             "print(training_core.__file__); print(f.__file__); print(prefect.__file__)"],
+            cwd=env["OOLONG_RUNS_DIR"], env={"PATH": cloud_sim.SYSTEM_PATH, **env},
+            capture_output=True, text=True, check=True).stdout.split()
+        site = str(node.venv / "lib")
+        assert where[0].startswith(site) and where[1].startswith(site), where
+        assert not where[2].startswith(site)  # the dependencies: this machine's (the shortcut)
+
+    steps = 4
+    run_id = create_run(admin, "simulated-cloud", trainer={"steps": steps, "batch_groups": 2},
+                        checkpoint={"every": 2, "keep": 2}, rollout={"num_servers": 1},
+                        orchestration={"provider": "static",
+                                       "placement": {"trainer_nodes": 2, "server_nodes": [1]}})
+    run_dirs = [n.root / "runs" / "flows" / f"run-{run_id}" for n in nodes]
+    wait_for(lambda: all((d / "logs" / "trainer.log").exists() for d in run_dirs), 600,
+             "a trainer on each node")
+    # Every process below each node's worker: the flow runs and what they started.
+    seen = []
+    for node, worker in zip(nodes, cloud["procs"][1:], strict=True):
+        views = [v for pid in cloud_sim.descendants(worker.pid)
+                 if (v := cloud_sim.process_view(pid)) is not None]
+        assert any("prefect.engine" in v["cmdline"] for v in views), views
+        for v in views:
+            assert v["argv0"].startswith(str(node.venv)), v
+            assert not v["cwd"].startswith(str(ROOT)), v
+            assert str(ROOT) not in v["pythonpath"], v
+        seen.append(views)
+    assert all(seen)
+    # The server listens on its node's address (from the metadata service), in the port range.
+    server = next(v["cmdline"].split() for v in seen[1] if "embedded_server" in v["cmdline"])
+    assert server[server.index("--host") + 1] == "127.0.0.3", server
+    assert 41000 <= int(server[server.index("--port") + 1]) <= 41499, server
+
+    wait_for(lambda: run_status(run_id) in ("succeeded", "failed", "cancelled"), 600,
+             "the run to end")
+    run = Run.objects.get(id=run_id)
+    events = list(RunEvent.objects.filter(run_id=run_id).order_by("id")
+                  .values_list("kind", "message"))
+    assert run.status == "succeeded", (run.status_reason, events[-10:])
+    # Each process ran on its node, in the runs_dir its cloud-init gave it.
+    logs = [{p.name for p in (d / "logs").glob("*.log")} for d in run_dirs]
+    assert "trainer.log" in logs[0] and "trainer.log" in logs[1], logs
+    assert "rollout-server-0.log" in logs[1] and "rollout-server-0.log" not in logs[0], logs
+    assert [m for k, m in events if k == "placement"] == [
+        "placement plan: trainer node 0 on node-0: 1 rank(s); trainer node 1 on node-1: "
+        "1 rank(s); rollout server 0 on node-1"]
+    # The durable store received the run's checkpoints.
+    assert any((cloud["store"] / f"run-{run_id}" / "checkpoints").glob("step*/COMPLETE"))
+    wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")
+    for worker in cloud["procs"][1:]:
+        wait_for(lambda w=worker: not cloud_sim.descendants(w.pid), 60,
+                 "the nodes' flow runs to exit")
