@@ -440,9 +440,10 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def stack_snapshot(server_pids: list[int]) -> dict[str, Any]:
-    """CPU seconds so far of the gunicorn master and workers and of the PostgreSQL backends
-    serving this database, and the machine's jiffies."""
+def stack_snapshot(server_pids: list[int], ingest_pid: int | None = None) -> dict[str, Any]:
+    """CPU seconds so far of the gunicorn masters and workers (``ingest``: those of the ingest
+    pool, ``ingest_pid``'s, again on their own) and of the PostgreSQL backends serving this
+    database, and the machine's jiffies."""
     from django.db import connection
 
     with connection.cursor() as cur:
@@ -451,14 +452,16 @@ def stack_snapshot(server_pids: list[int]) -> dict[str, Any]:
         backends = [r[0] for r in cur.fetchall()]
     connection.close()
     web = [p for pid in server_pids for p in (pid, *_children(pid))]
+    ingest = [ingest_pid, *_children(ingest_pid)] if ingest_pid else []
     return {"web": {p: _cpu_s(p) for p in web}, "pg": {p: _cpu_s(p) for p in backends},
-            "jiffies": _machine_jiffies()}
+            "ingest": {p: _cpu_s(p) for p in ingest}, "jiffies": _machine_jiffies()}
 
 
 def cpu_report(before: dict[str, Any], after: dict[str, Any], clients_cpu_s: float,
                wall_s: float) -> dict[str, Any]:
     def used(kind: str) -> float:  # a process gone by the end is missed: say "at least"
-        return sum(max(0.0, cpu - before[kind].get(pid, 0.0)) for pid, cpu in after[kind].items())
+        return sum(max(0.0, cpu - before.get(kind, {}).get(pid, 0.0))
+                   for pid, cpu in after.get(kind, {}).items())
 
     busy = after["jiffies"][0] - before["jiffies"][0]
     total = after["jiffies"][1] - before["jiffies"][1]
@@ -466,7 +469,8 @@ def cpu_report(before: dict[str, Any], after: dict[str, Any], clients_cpu_s: flo
     web, pg = used("web"), used("pg")
     busy_cores = cores * busy / total if total else 0.0
     return {"cores": cores, "machine_busy_frac": busy / total if total else None,
-            "web_workers_cpu_s": web, "postgres_backends_cpu_s": pg, "clients_cpu_s": clients_cpu_s,
+            "web_workers_cpu_s": web, "ingest_pool_cpu_s": used("ingest"),
+            "postgres_backends_cpu_s": pg, "clients_cpu_s": clients_cpu_s,
             "stack_cores": (web + pg) / wall_s, "clients_cores": clients_cpu_s / wall_s,
             "other_cores": max(0.0, busy_cores - (web + pg + clients_cpu_s) / wall_s),
             "load_avg_1m_after": os.getloadavg()[0]}
@@ -647,7 +651,8 @@ def main() -> int:
         ctx = multiprocessing.get_context("fork")
         ingest_rx, ingest_tx = ctx.Pipe(duplex=False)
         users_rx, users_tx = ctx.Pipe(duplex=False)
-        before = stack_snapshot([s.pid for s in servers])
+        ingest_pid = servers[1].pid if len(servers) > 1 else None
+        before = stack_snapshot([s.pid for s in servers], ingest_pid)
         load_start = time.perf_counter()
         ingesting = tokens if args.ingesting is None else tokens[:args.ingesting]
         procs = [ctx.Process(target=ingest_main, args=(ingest_base, ingesting, history, keys, args.steps_per_post,
@@ -660,7 +665,7 @@ def main() -> int:
         give_up = time.monotonic() + duration + 300
         ingest = _receive(ingest_rx, procs[0], give_up)
         user_side = _receive(users_rx, procs[1], give_up)
-        cpu = cpu_report(before, stack_snapshot([s.pid for s in servers]), ingest["cpu_s"] + user_side["cpu_s"],
+        cpu = cpu_report(before, stack_snapshot([s.pid for s in servers], ingest_pid), ingest["cpu_s"] + user_side["cpu_s"],
                          time.perf_counter() - load_start)
         for p in procs:
             p.join(timeout=30)
