@@ -665,8 +665,8 @@ def main() -> int:
         give_up = time.monotonic() + duration + 300
         ingest = _receive(ingest_rx, procs[0], give_up)
         user_side = _receive(users_rx, procs[1], give_up)
-        cpu = cpu_report(before, stack_snapshot([s.pid for s in servers], ingest_pid), ingest["cpu_s"] + user_side["cpu_s"],
-                         time.perf_counter() - load_start)
+        cpu = cpu_report(before, stack_snapshot([s.pid for s in servers], ingest_pid),
+                         ingest["cpu_s"] + user_side["cpu_s"], time.perf_counter() - load_start)
         for p in procs:
             p.join(timeout=30)
         load_s = time.perf_counter() - load_start
