@@ -151,7 +151,7 @@ def _rollups_recompute(run_id: int, changed: list[tuple[str, int]]) -> None:
     """Recompute, from the points themselves, the level-0 rollup blocks that hold a new or
     changed point (so a retried or replaced batch leaves them exact), then each level above
     from the one below. Trainers send consecutive steps, every key over the same steps: the keys
-    that share a step range take one statement per level (``key IN (...)``, an index scan of
+    that share a step range take one statement per level (``key = ANY(...)``, an index scan of
     the unique index), not one per key and level: 41 keys cost 205 statements, ~5x the time of the
     grouped 10, and 32 runs ingesting at once saturated PostgreSQL (benchmarks/web_load.py).
     (One statement for all keys joined to their own ranges was slower still: the planner scans
@@ -171,28 +171,33 @@ def _rollups_recompute(run_id: int, changed: list[tuple[str, int]]) -> None:
         f"INSERT INTO {rollups} {columns} SELECT run_id, key, 0, "
         f"{_floor_div('step', ROLLUP_STEPS)}, COUNT(*), SUM(value), MIN(value), MAX(value), "
         f"MIN(step), MAX(step), MAX(wall_time) FROM {points} "
-        "WHERE run_id = %s AND key IN ({keys}) AND step >= %s AND step <= %s "
+        "WHERE run_id = %s AND {keys} AND step >= %s AND step <= %s "
         f"GROUP BY run_id, key, {_floor_div('step', ROLLUP_STEPS)} "
         f"ON CONFLICT (run_id, key, level, block) DO UPDATE SET {_SET}")
     from_below = (
         f"INSERT INTO {rollups} {columns} SELECT run_id, key, %s, "
         f"{_floor_div('block', _FANOUT)}, SUM(n), SUM(total), MIN(low), MAX(high), "
         f"MIN(first_step), MAX(last_step), MAX(wall_time) FROM {rollups} "
-        "WHERE run_id = %s AND key IN ({keys}) AND level = %s AND block >= %s AND block <= %s "
+        "WHERE run_id = %s AND {keys} AND level = %s AND block >= %s AND block <= %s "
         f"GROUP BY run_id, key, {_floor_div('block', _FANOUT)} "
         f"ON CONFLICT (run_id, key, level, block) DO UPDATE SET {_SET}")
+    postgres = connection.vendor == "postgresql"
     with connection.cursor() as cur:
         for (lo, hi), keys in groups:
-            marks = ", ".join(["%s"] * len(keys))  # IN, not = ANY: SQLite (the demo) runs it too
+            # PostgreSQL takes the keys as one array: the statement's text is then the same for
+            # every batch and its parse is cached by the driver (not past 50 parameters), which
+            # was a quarter of a batch's CPU. IN (...) elsewhere: SQLite (the demo) has no arrays.
+            marks, params = ("key = ANY(%s::text[])", [keys]) if postgres else (
+                f"key IN ({', '.join(['%s'] * len(keys))})", keys)
             size = ROLLUP_LEVELS[0]
             cur.execute(from_points.format(keys=marks), [
-                run_id, *keys, max(lo // size * size, INT64[0]),
+                run_id, *params, max(lo // size * size, INT64[0]),
                 min((hi // size + 1) * size - 1, INT64[1])])
             for level in range(1, len(ROLLUP_LEVELS)):
                 size = ROLLUP_LEVELS[level]
                 # Every child block of the touched blocks of this level.
                 cur.execute(from_below.format(keys=marks), [
-                    level, run_id, *keys, level - 1, lo // size * _FANOUT,
+                    level, run_id, *params, level - 1, lo // size * _FANOUT,
                     (hi // size + 1) * _FANOUT - 1])
 
 
@@ -215,6 +220,16 @@ def _latest_upsert(run: Run, rows: list[tuple[str, int, float, float]]) -> None:
             latest[key] = (step, value)
     table = LatestMetric._meta.db_table
     with connection.cursor() as cur:
+        if connection.vendor == "postgresql":  # four arrays: a statement the driver caches
+            keys, steps, values = (list(c) for c in zip(
+                *((k, s, v) for k, (s, v) in latest.items()), strict=True))
+            cur.execute(
+                f"INSERT INTO {table} AS m (run_id, key, step, value) SELECT %s, k, s, v "
+                "FROM unnest(%s::text[], %s::bigint[], %s::float8[]) AS u(k, s, v) "
+                "ON CONFLICT (run_id, key) DO UPDATE SET step = excluded.step, "
+                "value = excluded.value WHERE excluded.step >= m.step",
+                [run.id, keys, steps, values])
+            return
         cur.execute(
             f"INSERT INTO {table} AS m (run_id, key, step, value) VALUES "
             + ", ".join(["(%s, %s, %s, %s)"] * len(latest))
