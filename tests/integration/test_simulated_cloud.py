@@ -20,6 +20,9 @@ a node runs that venv's Python, outside the checkout, with no PYTHONPATH into it
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -98,6 +101,10 @@ def cloud(tmp_path, monkeypatch):
         monkeypatch.setenv("OOLONG_NODE_POOL", POOL)
         yield {"api": api, "nodes": nodes, "procs": procs, "store": store, "wheel": wheel}
     finally:
+        for worker in procs[1:]:  # a failed test may leave flow runs below a node's worker
+            for pid in cloud_sim.descendants(worker.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         for proc in reversed(procs):
             _kill(proc)
 
