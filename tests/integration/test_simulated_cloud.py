@@ -25,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,12 @@ def test_a_run_on_two_nodes_booted_from_terraforms_cloud_init(cloud, stack, admi
     for node in nodes:
         assert [c.split()[0] for c in node.skipped] == ["chown", "systemctl", "systemctl"], \
             node.skipped
+        # The node venv's interpreter is the one the package requires (requires-python), not
+        # the AMI's python3 (Ubuntu 22.04: 3.10); this machine's python3 would hide that.
+        venv_cmd = next(c for c in node.doc["runcmd"] if "-m venv /opt/oolong/venv" in str(c))
+        requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+        assert venv_cmd.split()[0] == "python3.11" and ">=3.11,<3.12" == requires, venv_cmd
+        assert "python3.11-venv" in node.doc["packages"]
         missing = [p for p in node.doc["packages"] if not _dpkg_installed(p)]
         assert not missing, f"apt packages the node gets but this machine lacks: {missing}"
         env = node.environment_file()
