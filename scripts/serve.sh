@@ -42,6 +42,14 @@ case "$POOL" in
     exit 2 ;;
 esac
 
+# The kernel shares the CPU between sessions (autogroups) and cgroups before it weighs the nice
+# values inside each: a pool started in a session of its own (systemd, setsid) gives that session
+# the same priority, or its nice would only rank it against itself. (Under systemd with cgroup
+# CPU control, set CPUWeight= on the unit as well: docs/operations.md.)
+if [ "$NICE" != 0 ] && [ "$(ps -o sid= -p $$ | tr -d ' ')" = "$$" ] && [ -w /proc/self/autogroup ]; then
+  echo "$NICE" > /proc/self/autogroup 2>/dev/null || true
+fi
+
 # gthread: a worker keeps idle keep-alive connections without blocking a thread on them; threads
 # overlap the time a request waits on PostgreSQL. --max-requests recycles a worker now and then
 # (bounds any slow leak); the jitter keeps them from recycling together.

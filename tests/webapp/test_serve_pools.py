@@ -78,6 +78,12 @@ def test_the_ingest_pool_is_niced_and_stores_before_it_acknowledges(ingest_pool,
     proc, base = ingest_pool
     workers = _children(proc.pid)
     assert workers and {_nice(p) for p in [proc.pid, *workers]} == {7}
+    # Started in a session of its own: the session's share of the CPU is lowered too (the kernel
+    # weighs sessions against each other before the nice values inside them).
+    autogroup = Path(f"/proc/{proc.pid}/autogroup")
+    if Path("/proc/sys/kernel/sched_autogroup_enabled").exists() and \
+            Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1":
+        assert autogroup.read_text().split()[-1] == "7", autogroup.read_text()
     auth = {"Authorization": f"Bearer {ingest_token}"}
     points = [{"key": "loss", "step": s, "value": s / 2, "time": 1000.0 + s} for s in range(50)]
     r = httpx.post(base + "/api/ingest/metrics/", json={"points": points}, headers=auth, timeout=30)
