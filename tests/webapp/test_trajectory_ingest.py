@@ -70,3 +70,21 @@ def test_nesting_deeper_than_the_limit_is_named(run):
     with pytest.raises(ApplicationError) as exc:
         trajectories_ingest(run=run, samples=[_sample(1, 0, info=deep)])
     assert exc.value.errors[0]["field"].startswith("samples[0].info.x")
+
+
+@pytest.mark.parametrize("sample", [
+    {"step": 1, "prompt": "\ud800", "completion": "c", "reward": 1},
+    {"step": 1, "prompt": "p", "completion": "c", "reward": 1, "info": {"\udfff": 1}},
+])
+def test_a_lone_surrogate_is_a_400_not_a_500(run, ingest_token, sample):
+    """JSON may spell a lone UTF-16 surrogate (\\ud800); no database text can hold one."""
+    import json
+
+    from rest_framework.test import APIClient
+
+    c = APIClient()
+    c.credentials(HTTP_AUTHORIZATION=f"Bearer {ingest_token}")
+    body = json.dumps({"samples": [sample]})  # ASCII: the surrogate travels as an escape
+    resp = c.post("/api/ingest/trajectories/", body, content_type="application/json")
+    assert resp.status_code == 400, resp.content
+    assert not TrajectorySample.objects.filter(run=run).exists()

@@ -261,7 +261,9 @@ def trajectories_ingest(*, run: Run, samples: list[dict[str, Any]]) -> int:
         # One statement over one JSON document (encoded in C): the ORM's bulk insert quoted every
         # token of every sample into a PostgreSQL array literal in Python, ~half the request.
         table = TrajectorySample._meta.db_table
-        with connection.cursor() as cur:
+        # A savepoint in a caller's transaction: a batch the database refuses (a lone surrogate
+        # in a text: a 400) leaves that transaction usable.
+        with transaction.atomic(), connection.cursor() as cur:
             cur.execute(
                 f'INSERT INTO {table} (run_id, step, "index", prompt, completion, reward, tokens, '
                 "token_versions, info) SELECT %s, step, \"index\", prompt, completion, reward, tokens, "
@@ -280,7 +282,7 @@ def _samples_document(rows: list[dict[str, Any]]) -> str:
     whose text holds an escaped NUL or may nest too deep, is walked in Python, sample by sample,
     to name the bad field (a 400)."""
     try:
-        document = json.dumps(rows, allow_nan=False, ensure_ascii=False)
+        document = json.dumps(rows, allow_nan=False)
     except ValueError:
         document = None
     if document is None or "\\u0000" in document or any(
@@ -288,7 +290,7 @@ def _samples_document(rows: list[dict[str, Any]]) -> str:
         for i, row in enumerate(rows):
             json_check({k: v for k, v in row.items() if k not in ("step", "index")}, f"samples[{i}]")
         # json_check passed: nothing is left for the encoder to refuse.
-        document = json.dumps(rows, allow_nan=False, ensure_ascii=False)
+        document = json.dumps(rows, allow_nan=False)
     return document
 
 
