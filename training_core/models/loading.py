@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import uuid
 from pathlib import Path
 
 import torch
@@ -26,12 +29,12 @@ def resolve_model_dir(path: str, *, hidden_size: int = 128, num_layers: int = 4,
         key = hashlib.sha1(json.dumps([hidden_size, num_layers, num_heads]).encode()).hexdigest()[:10]
         out = cache_root() / "models" / f"tiny-{key}"
         if not (out / "config.json").exists():
-            tmp = out.with_name(out.name + f".tmp{id(out)}")
+            tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             save_tiny(tmp, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads)
             try:
                 tmp.rename(out)
             except OSError:  # another process won the race: theirs is identical
-                pass
+                shutil.rmtree(tmp, ignore_errors=True)
         return out
     if path == "smollm2":
         return ensure_smollm2()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
+import uuid
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,8 +56,16 @@ def ensure_smollm2() -> Path:
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(quantized.state_dict(), strict=False)
-    tmp = out.with_name(out.name + ".tmp")
+    # Own temporary folder per process: two processes converting at once (the test lanes) must
+    # not write into one folder. The rename is atomic: a half-written cache is never picked up,
+    # and the loser of a race keeps the winner's (identical) folder.
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(out)  # atomic: a half-written cache is never picked up
+    try:
+        tmp.rename(out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "model.safetensors").exists():
+            raise
     return out
