@@ -23,9 +23,47 @@ mkdir -p test-artifacts
 echo "lint: ruff check, lint-imports"
 .venv/bin/ruff check .
 .venv/bin/lint-imports --no-cache
+if [ "$#" -gt 0 ] || [ "${OOLONG_TEST_LANES:-2}" = 1 ]; then
+  set +e
+  .venv/bin/python -m pytest -p no:cacheprovider "$@"
+  rc=$?
+  set -e
+  if [ "$rc" = 5 ]; then echo "no tests were collected" >&2; exit 1; fi
+  exit $rc
+fi
+
+# The whole suite in two lanes at once, each with its own database, Redis index, Prefect home and
+# temporary directory, so they share nothing but the CPU: the platform lane (the web app and the
+# integration tests: Celery, Prefect, multinode; they find a run's processes by its id, so they
+# stay in one lane) and the engine lane (models, servers, trainers, jails, security, the rest).
+# Much of the platform lane is waiting on processes and I/O. OOLONG_TEST_LANES=1: one lane.
+lane() {  # lane NAME DATABASE_URL BROKER_URL TEST_REDIS_URL PYTEST_ARGS...
+  local name=$1 db=$2 broker=$3 redis=$4
+  shift 4
+  DATABASE_URL=$db CELERY_BROKER_URL=$broker OOLONG_TEST_REDIS=$redis \
+  PREFECT_HOME=$PWD/.cache/prefect-$name \
+    .venv/bin/python -m pytest -p no:cacheprovider --durations=25 --basetemp="/tmp/oolong-tests-$name" "$@" \
+    > "test-artifacts/lane-$name.log" 2>&1
+}
+PLATFORM=(tests/webapp tests/integration)
+echo "tests: two lanes (platform: ${PLATFORM[*]}; engine: the rest); logs in test-artifacts/lane-*.log"
 set +e
-.venv/bin/python -m pytest -p no:cacheprovider "$@"
-rc=$?
+lane engine "${DATABASE_URL%/*}/oolong_engine" "${CELERY_BROKER_URL%/*}/3" \
+  "${CELERY_BROKER_URL%/*}/4" tests "${PLATFORM[@]/#/--ignore=}" &
+engine=$!
+lane platform "$DATABASE_URL" "$CELERY_BROKER_URL" "${OOLONG_TEST_REDIS:-${CELERY_BROKER_URL%/*}/1}" \
+  "${PLATFORM[@]}" &
+platform=$!
+wait $engine; engine_rc=$?
+wait $platform; platform_rc=$?
 set -e
-if [ "$rc" = 5 ]; then echo "no tests were collected" >&2; exit 1; fi
-exit $rc
+for name in engine platform; do
+  echo; echo "======================== lane: $name ========================"
+  cat "test-artifacts/lane-$name.log"
+done
+echo
+echo "lanes: engine exit $engine_rc, platform exit $platform_rc"
+for rc in $engine_rc $platform_rc; do
+  if [ "$rc" = 5 ]; then echo "a lane collected no tests" >&2; exit 1; fi
+  if [ "$rc" != 0 ]; then exit "$rc"; fi
+done
