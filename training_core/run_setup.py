@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from training_core.algorithms.presets import AlgorithmConfig, resolve_algorithm
+from training_core.allocator import retain_freed_memory
 from training_core.api import MetricsSink, SamplingParams, TrainEngine, WeightReceiver
 from training_core.checkpoint import checkpoint_dir, latest_checkpoint
 from training_core.checkpoint_store import CheckpointStore
@@ -105,6 +106,7 @@ def build_run(spec: RunSpec, *, resume_dir: str | Path | None = None,
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_spec(spec, run_dir / "spec.yaml")
     torch.set_num_threads(spec.trainer.threads)
+    retain_freed_memory()  # the trainer allocates the same activations every step (allocator.py)
     seed_everything(spec.seed)
 
     # ---- every rank: model, algorithm, trainer, weight sync; a resume restores them ----------

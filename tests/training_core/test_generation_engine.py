@@ -193,22 +193,52 @@ def test_sampled_tokens_follow_the_truncated_tempered_distribution_and_report_it
     assert counts[3, logits[3].argmax()] == draws
 
 
-def test_the_cumulative_distribution_over_a_large_vocabulary_is_exact_per_token():
-    """Inverse-CDF sampling draws token i with probability (cdf[i] - cdf[i-1]) / cdf[-1]. Over a
-    large vocabulary with one likely token and a long tail (a trained policy's shape), the
-    expected CDF matches softmax to 1e-6 and every tail token keeps its own probability: a CDF
-    stored in float32 rounds near 1 to steps of 6e-8, giving tail tokens twice their
-    probability or none."""
+def test_inverse_cdf_draws_give_every_token_its_own_probability_over_a_large_vocabulary():
+    """``draw`` is monotone in its uniform, so the set of uniforms drawing token i is an interval;
+    its width is the probability the sampler gives i. Over a large vocabulary with one likely
+    token and a long tail (a trained policy's shape), tail tokens and tokens at the two-level
+    draw's block edges get their probability to 1e-5 relative. A CDF stored in float32 rounds
+    near 1 to steps of 6e-8: tail tokens of ~1e-8 got twice their probability or none."""
     g = torch.Generator().manual_seed(0)
-    vocab = 262_144
-    logits = torch.randn(3, vocab, generator=g)
-    logits[:, 0] += 17.0
-    probs = torch.log_softmax(logits, -1).exp()  # what _sample hands over (fp32 logits)
-    cdf = generation_engine.cumulative(probs)
-    exact = torch.softmax(logits.double(), -1)
-    expected_cdf = cdf / cdf[:, -1:]
-    assert (expected_cdf - exact.cumsum(-1)).abs().max() < 1e-6
-    drawn = torch.diff(cdf, dim=-1, prepend=torch.zeros_like(cdf[:, :1])) / cdf[:, -1:]
-    tail = exact < 1e-7
-    relative = ((drawn - exact).abs() / exact)[tail]
-    assert tail.sum() > 10_000 and relative.max() < 1e-3
+    vocab = 65_536
+    logits = torch.randn(vocab, generator=g)
+    logits[0] += 17.0
+    probs = torch.softmax(logits, -1)  # float32, as the engine hands them over
+    exact = probs.double() / probs.double().sum()
+    chunk = generation_engine.DRAW_CHUNK
+    tail = (exact < 1e-7).nonzero().view(-1)
+    assert len(tail) > 10_000
+    edges = torch.tensor([1, chunk - 1, chunk, chunk + 1, 7 * chunk, vocab - 1])
+    pick = torch.cat([tail[torch.randperm(len(tail), generator=g)[:26]], edges])
+
+    def first_u_drawing_at_least(token: torch.Tensor) -> torch.Tensor:
+        lo = torch.zeros(len(token), dtype=torch.float64)
+        hi = torch.ones(len(token), dtype=torch.float64)
+        for _ in range(56):  # bisection down to 2^-56
+            mid = (lo + hi) / 2
+            reached = generation_engine.draw(probs.expand(len(token), -1), mid) >= token
+            hi, lo = torch.where(reached, mid, hi), torch.where(reached, lo, mid)
+        return hi
+
+    width = first_u_drawing_at_least(pick + 1) - first_u_drawing_at_least(pick)
+    relative = (width - exact[pick]).abs() / exact[pick]
+    assert relative.max() < 1e-5, (pick[relative.argmax()], relative.max())
+
+
+def test_a_draw_never_lands_on_a_token_of_probability_zero():
+    """Zero-probability tokens (cut by top-k/top-p) are never drawn: not in a block of zeros,
+    not at a block's edge, not with a uniform just below 1, not when the vocabulary is no
+    multiple of the block."""
+    chunk = generation_engine.DRAW_CHUNK
+    vocab = 5 * chunk + 17
+    probs = torch.zeros(1, vocab)
+    allowed = torch.tensor([3, 2 * chunk - 1, 4 * chunk, vocab - 9])
+    probs[0, allowed] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    u = torch.cat([torch.linspace(0, 1, 2001)[:-1], torch.tensor([1 - 1e-12, 0.1, 0.3, 0.6])])
+    got = generation_engine.draw(probs.expand(len(u), -1), u.double())
+    assert set(got.tolist()) == set(allowed.tolist())
+    # Each allowed token over the share of [0, 1) its probability covers.
+    counts = torch.bincount(got[:2000], minlength=vocab)[allowed]
+    torch.testing.assert_close(counts.double() / 2000,
+                               torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64),
+                               atol=1e-3, rtol=0)
