@@ -7,6 +7,9 @@ export OOLONG_CACHE=${OOLONG_CACHE:-$PWD/.cache/oolong}
 export DATABASE_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
 export CELERY_BROKER_URL=${CELERY_BROKER_URL:-redis://127.0.0.1:6379/0}
 export PREFECT_HOME=${PREFECT_HOME:-$PWD/.cache/prefect}
+# reasoning-gym imports matplotlib, which builds its font cache on first import by running
+# fc-list: a process, which tests/unit refuses. Built here, once, before any test runs.
+export MPLCONFIGDIR=${MPLCONFIGDIR:-$PWD/.cache/matplotlib}
 bash scripts/services.sh up
 trap 'bash scripts/services.sh down' EXIT
 # checkov lives in its own tool environment: it installs an `hcl2` module that conflicts with
@@ -18,6 +21,7 @@ if [ ! -x "$CHECKOV_ENV/bin/checkov" ]; then
   "$CHECKOV_ENV/bin/pip" install -q --disable-pip-version-check -c constraints.txt checkov
 fi
 mkdir -p test-artifacts
+.venv/bin/python -c "import matplotlib.font_manager"
 # The shape the code must keep: lint, then the architecture contracts in pyproject.toml
 # (training_core imports nothing of ours, the web app never imports workers, layers per app).
 echo "lint: ruff check, lint-imports"
