@@ -242,3 +242,47 @@ def test_a_draw_never_lands_on_a_token_of_probability_zero():
     torch.testing.assert_close(counts.double() / 2000,
                                torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64),
                                atol=1e-3, rtol=0)
+
+
+def test_a_bf16_engine_on_cpu_runs_packed_weights_and_repacks_them_on_an_update(tiny_model_dir,
+                                                                               tmp_path):
+    """bf16 on CPU: the engine's linear layers run on weights packed once for oneDNN
+    (packed_linear.py), bitwise what F.linear gives. Its logprobs match a plain bf16 forward
+    before and after a weight update from disk: the packed copies follow the new weights."""
+    import torch.nn.functional as F
+    from safetensors.torch import save_file
+
+    from training_core.engines.packed_linear import PackedLinear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    eng = GenerationEngine(str(tiny_model_dir), seed=1, dtype="bfloat16")
+    try:
+        packed = [m for m in eng.model.modules() if isinstance(m, PackedLinear)]
+        assert packed, "bf16 on CPU packs the linear layers"
+        x = torch.randn(5, packed[0].in_features, dtype=torch.bfloat16)
+        with torch.no_grad():
+            assert torch.equal(packed[0](x), F.linear(x, packed[0].weight, packed[0].bias))
+        prompt = [7, 8, 9, 10]
+
+        def assert_matches(model: torch.nn.Module) -> None:
+            for out in _run(eng, [prompt] * 4, max_new_tokens=6):
+                ids = torch.tensor([prompt + out["output_ids"]])
+                with torch.no_grad():
+                    ref = sequence_logprobs(model, ids, torch.ones_like(ids), 1.0)[0, len(prompt):]
+                got = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
+                torch.testing.assert_close(got, ref.float(), atol=0.05, rtol=0.02)
+
+        model = load_model(tiny_model_dir, "bfloat16").eval()
+        assert_matches(model)
+        g = torch.Generator().manual_seed(5)
+        tied = model.config.tie_word_embeddings  # one tensor under two names: changed once
+        new = {k: (v.float() * 1.5 + 0.05 * torch.randn(v.shape, generator=g)).to(v.dtype)
+               for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+        (tmp_path / "new").mkdir()
+        save_file(new, str(tmp_path / "new" / "model.safetensors"))
+        assert eng.update_weights(str(tmp_path / "new"), "v1")["success"]
+        model.load_state_dict(new, strict=not tied)
+        assert_matches(model)
+    finally:
+        eng.shutdown()

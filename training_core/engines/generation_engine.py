@@ -49,6 +49,7 @@ import torch
 from safetensors.torch import load_file
 
 from training_core.allocator import retain_freed_memory
+from training_core.engines.packed_linear import can_pack, pack_linears, repack
 from training_core.engines.prefix_tree import layer_masks, sliding_window
 from training_core.engines.slot_cache import ATTENTION, SlotCache, forest_prefill
 
@@ -96,20 +97,16 @@ class GenerationEngine:
         # The run's model.dtype: weights, activations and KV cache (bf16 runs on AMX/AVX512-BF16
         # CPUs and recent GPUs); logits are sampled in fp32 and the CDF summed in float64.
         self.dtype = dtype
-        self.model = load_model(model_path, dtype).to(self.device).eval()
-        # Masks are prepared here (4D booleans) and attention runs through slot_cache's. A
-        # sliding window goes into those masks (prefix_tree.layer_masks), checked here: a model
-        # whose attention they cannot express fails at start, not at its first request.
-        self.model.config._attn_implementation = ATTENTION
-        self._window = sliding_window(self.model.config)
-        layer_masks(self.model.config, torch.ones(1, 1, 1, 1, dtype=torch.bool),
-                    torch.zeros(1, 1, 1, 1))
-        if self._window is not None:
-            log.info("sliding window of %d tokens applied in prefill and decode", self._window)
-        self.eos_ids = self._eos_ids()
         self.max_batch_size = max_batch_size
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.weight_version = weight_version
+        self.model: torch.nn.Module
+        self.generator: torch.Generator
+        self.eos_ids: set[int] = set()
+        self._window: int | None = None
+        self._packed = False
+        self.context_len = 1 << 30
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
 
         self._cond = threading.Condition()
         self._waiting: list[Seq] = []
@@ -117,7 +114,6 @@ class GenerationEngine:
         self._slots: SlotCache | None = None  # created at the first prefill (shapes, dtype)
         self._next_pos: torch.Tensor | None = None  # [B] position of each row's next token
         self._last: torch.Tensor | None = None  # [B] last sampled token, fed at the next step
-        self.context_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self._paused = False
         self._pause_requests: list[tuple[str, threading.Event]] = []
         self._weight_requests: list[_WeightRequest] = []
@@ -129,8 +125,45 @@ class GenerationEngine:
         self.prefill_s = 0.0  # the prefill part of it (re-prefills after an abort land here)
         self.tokens_generated = 0
         self.steps = 0
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # The model is loaded on the engine thread, and every torch call of the engine runs
+        # there: once the process's main thread has run torch's OpenMP regions, another thread's
+        # regions were ~40% slower (a SmolLM2 decode step at batch 64: 103 ms when one thread ran
+        # everything, 158 ms when the main thread had loaded the model).
+        self._thread = threading.Thread(target=self._main, args=(load_model, seed), name="engine",
+                                        daemon=True)
         self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            raise self._start_error
+
+    def _main(self, load_model: Callable[..., torch.nn.Module], seed: int) -> None:
+        # OpenMP's thread count is per thread: the caller's torch.set_num_threads, carried over.
+        torch.set_num_threads(self.threads)
+        try:
+            self._load_model(load_model, seed)
+        except BaseException as exc:  # the constructor raises it
+            self._start_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self._run()
+
+    def _load_model(self, load_model: Callable[..., torch.nn.Module], seed: int) -> None:
+        self.model = load_model(self.model_path, self.dtype).to(self.device).eval()
+        # bf16 on CPU: weights packed once for oneDNN, not on every call (packed_linear.py).
+        self._packed = can_pack(self.model, self.device) and pack_linears(self.model) > 0
+        # Masks are prepared here (4D booleans) and attention runs through slot_cache's. A
+        # sliding window goes into those masks (prefix_tree.layer_masks), checked here: a model
+        # whose attention they cannot express fails at start, not at its first request.
+        self.model.config._attn_implementation = ATTENTION
+        self._window = sliding_window(self.model.config)
+        layer_masks(self.model.config, torch.ones(1, 1, 1, 1, dtype=torch.bool),
+                    torch.zeros(1, 1, 1, 1))
+        if self._window is not None:
+            log.info("sliding window of %d tokens applied in prefill and decode", self._window)
+        self.eos_ids = self._eos_ids()
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.context_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -393,6 +426,8 @@ class GenerationEngine:
         self.model.load_state_dict(state, strict=False, assign=True)
         if getattr(self.model.config, "tie_word_embeddings", False):
             self.model.tie_weights()
+        if self._packed:
+            repack(self.model)
         if req.version is not None:
             self.weight_version = req.version
         if req.model_path is not None:
