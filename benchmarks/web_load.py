@@ -49,6 +49,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -429,15 +431,10 @@ def _machine_jiffies() -> tuple[int, int]:
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if f"\nPPid:\t{pid}\n" in (d / "status").read_text():
-                    out.append(int(d.name))
-            except OSError:
-                pass
-    return out
+    try:
+        return [p.pid for p in psutil.Process(pid).children()]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def stack_snapshot(server_pids: list[int], ingest_pid: int | None = None) -> dict[str, Any]:

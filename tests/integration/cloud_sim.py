@@ -44,6 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "infra" / "terraform" / "modules" / "gpu_node_pool" / "cloud-init.yaml.tftpl"
 IMDS = "http://169.254.169.254"
@@ -263,20 +265,10 @@ def console_script(venv: Path, name: str, module: str, attr: str) -> Path:
 
 def descendants(pid: int) -> list[int]:
     """Every live process below ``pid``."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def process_view(pid: int) -> dict | None:

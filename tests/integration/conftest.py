@@ -128,6 +128,14 @@ def project_setup(db):
             "api": client_for(user)}
 
 
+@pytest.fixture
+def admin(project_setup):
+    """Placement across nodes is infrastructure: the run's creator is an administrator."""
+    project_setup["user"].is_staff = True
+    project_setup["user"].save()
+    return project_setup
+
+
 def create_run(setup, name: str, **spec_overrides) -> int:
     import copy
 

@@ -12,53 +12,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.integration.conftest import (
-    ROOT,
     create_run,
     run_processes,
     run_status,
     wait_for,
 )
-from training_core.launch import free_port
+from tests.integration.prefect_cluster import kill, spawn, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 POOL = "oolong-nodes"
 NODES = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
-
-
-def _prefect_env(api_url: str, home: Path) -> dict[str, str]:
-    env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_HOME": str(home),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "platform")])}
-    env.pop("DATABASE_URL", None)  # nodes hold no database credentials
-    return env
-
-
-def _spawn(cmd: list[str], log: Path, env: dict, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=20)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-@pytest.fixture
-def admin(project_setup):
-    """Placement across nodes is infrastructure: the run's creator is an administrator."""
-    project_setup["user"].is_staff = True
-    project_setup["user"].save()
-    return project_setup
 
 
 @pytest.fixture
@@ -66,21 +32,9 @@ def nodes(tmp_path, monkeypatch):
     """Prefect server + pool + one worker per node; sets the environment the web app's stack
     passes on (PREFECT_API_URL, the static node list, the pool). The training-run flow
     registers the node deployments itself."""
-    db = "oolong_prefect_multinode"
-    subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-c", f"DROP DATABASE IF EXISTS {db}"],
-                   capture_output=True)
-    subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-c", f"CREATE DATABASE {db}"],
-                   check=True, capture_output=True)
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    home = tmp_path / "prefect-home"
-    env = _prefect_env(api, home)
-    server_env = {**env, "PREFECT_API_DATABASE_CONNECTION_URL":
-                  f"postgresql+asyncpg://postgres@127.0.0.1:5432/{db}"}
-    procs = [_spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                     "--port", str(port)], tmp_path / "prefect-server.log", server_env, tmp_path)]
+    procs: list[subprocess.Popen] = []
     try:
-        wait_for(lambda: _healthy(api), 120, "the Prefect server")
+        api, env = start_server(tmp_path, "oolong_prefect_multinode", procs)
         subprocess.run([sys.executable, "-m", "prefect", "work-pool", "create", POOL, "--type",
                         "process"], env=env, check=True, capture_output=True, timeout=120)
         store = tmp_path / "checkpoint-store"  # durable: outlives every node
@@ -93,7 +47,7 @@ def nodes(tmp_path, monkeypatch):
                "tmp": tmp_path}
     finally:
         for proc in reversed(procs):
-            _kill(proc)
+            kill(proc)
 
 
 def _start_node(procs: list, env: dict, node_dir: Path, queue_index: int, address: str,
@@ -102,19 +56,12 @@ def _start_node(procs: list, env: dict, node_dir: Path, queue_index: int, addres
     (node_dir / "runs").mkdir(parents=True)
     node_env = {**env, "OOLONG_NODE_ADDRESS": address, "OOLONG_RUNS_DIR": str(node_dir / "runs"),
                 "OOLONG_CHECKPOINT_STORE": f"file://{store}", "PREFECT_WORKER_QUERY_SECONDS": "2"}
-    procs.append(_spawn([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL,
+    procs.append(spawn([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL,
                          "--work-queue", f"node-{queue_index}", "--type", "process", "--name",
                          node_dir.name], node_dir / "worker.log", node_env, node_dir))
     wait_for(lambda: "started" in (node_dir / "worker.log").read_text().lower(), 120,
              f"the worker of {node_dir.name}")
     return node_dir
-
-
-def _healthy(api: str) -> bool:
-    try:
-        return httpx.get(api + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _events(run_id: int) -> list[tuple[str, str]]:

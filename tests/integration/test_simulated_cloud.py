@@ -24,7 +24,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -32,8 +31,7 @@ import pytest
 
 from tests.integration import cloud_sim
 from tests.integration.conftest import ROOT, create_run, run_processes, run_status, wait_for
-from tests.integration.test_multinode import _healthy, _kill, _prefect_env, _spawn, admin
-from training_core.launch import free_port
+from tests.integration.prefect_cluster import kill, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 POOL = "oolong-cloud-sim"
@@ -46,7 +44,6 @@ MACHINE_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE"
 # A node's package index, as behind a mirror: this machine's offline copy, when it has one.
 MIRROR = Path("/opt/pypi/simple")
 
-__all__ = ["admin"]  # the fixture, shared with test_multinode
 
 
 def _dpkg_installed(package: str) -> bool:
@@ -60,25 +57,14 @@ def cloud(tmp_path, monkeypatch):
     """A Prefect server, then two nodes booted from their rendered cloud-init, each with its
     worker started as its systemd unit; the environment the web app's stack passes on
     (PREFECT_API_URL, the nodes, the pool) is set for the training-run flow."""
-    db = "oolong_prefect_cloud_sim"
-    subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-c", f"DROP DATABASE IF EXISTS {db}"],
-                   capture_output=True)
-    subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-c", f"CREATE DATABASE {db}"],
-                   check=True, capture_output=True)
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = _prefect_env(api, tmp_path / "prefect-home")
-    server_env = {**env, "PREFECT_API_DATABASE_CONNECTION_URL":
-                  f"postgresql+asyncpg://postgres@127.0.0.1:5432/{db}"}
-    procs = [_spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                     "--port", str(port)], tmp_path / "prefect-server.log", server_env, tmp_path)]
+    procs: list[subprocess.Popen] = []
     store = tmp_path / "checkpoint-store"
     nodes: list[cloud_sim.SimulatedNode] = []
     try:
+        api, _ = start_server(tmp_path, "oolong_prefect_cloud_sim", procs)
         wheel = cloud_sim.build_wheel(tmp_path / "wheel")
         deps = cloud_sim.dependency_dir(tmp_path / "machine-dependencies")
         pip_env = {"PIP_INDEX_URL": MIRROR.as_uri()} if MIRROR.is_dir() else {}
-        wait_for(lambda: _healthy(api), 120, "the Prefect server")
         for i, address in enumerate(NODES):
             node = cloud_sim.SimulatedNode(i, address, tmp_path / f"node-{i}")
             rendered = cloud_sim.render_cloud_init(
@@ -107,7 +93,7 @@ def cloud(tmp_path, monkeypatch):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         for proc in reversed(procs):
-            _kill(proc)
+            kill(proc)
 
 
 def test_fake_imds_speaks_imdsv2():

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from django.db import connection
 
@@ -34,15 +35,10 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if f"\nPPid:\t{pid}\n" in (d / "status").read_text():
-                    out.append(int(d.name))
-            except OSError:
-                pass
-    return out
+    try:
+        return [p.pid for p in psutil.Process(pid).children()]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _nice(pid: int) -> int:
