@@ -12,6 +12,7 @@ import torch
 from training_core.engines import generation_engine
 from training_core.engines.deepspeed_trainer import sequence_logprobs
 from training_core.engines.generation_engine import GenerationEngine, Seq
+from training_core.engines.packed_linear import PackedLinear
 from training_core.models.loading import load_model
 
 
@@ -54,6 +55,8 @@ def test_a_groups_prompt_is_prefilled_once_with_the_same_numbers(engine, tiny_mo
     assert engine.forward_batches[0] == 1, "one prefill row for 16 samples of one prompt"
     assert engine.forward_batches[1] == 16, "then every sample decodes"
     assert len({tuple(o["output_ids"]) for o in outs}) > 1, "sampled answers differ"
+    if torch.backends.mkldnn.is_available():  # fp32 on packed weights, within 1e-4 all the same
+        assert any(isinstance(m, PackedLinear) for m in engine.model.modules())
     model = load_model(tiny_model_dir).eval()
     for out in outs:
         ids = torch.tensor([prompt + out["output_ids"]])
@@ -251,8 +254,6 @@ def test_a_bf16_engine_on_cpu_runs_packed_weights_and_repacks_them_on_an_update(
     before and after a weight update from disk: the packed copies follow the new weights."""
     import torch.nn.functional as F
     from safetensors.torch import save_file
-
-    from training_core.engines.packed_linear import PackedLinear
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN")

@@ -150,7 +150,7 @@ class GenerationEngine:
 
     def _load_model(self, load_model: Callable[..., torch.nn.Module], seed: int) -> None:
         self.model = load_model(self.model_path, self.dtype).to(self.device).eval()
-        # bf16 on CPU: weights packed once for oneDNN, not on every call (packed_linear.py).
+        # On CPU: weights packed once for oneDNN, not on every call (packed_linear.py).
         self._packed = can_pack(self.model, self.device) and pack_linears(self.model) > 0
         # Masks are prepared here (4D booleans) and attention runs through slot_cache's. A
         # sliding window goes into those masks (prefix_tree.layer_masks), checked here: a model
