@@ -289,16 +289,24 @@ def test_skipping_rows_without_gradient_gives_the_same_update(tiny_model_dir, mi
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_bf16_autocasts_over_fp32_master_weights(tiny_model_dir, zero_stage):
     """``model.dtype: bfloat16``: weights and optimizer stay fp32 (an update far below bf16's
-    resolution still lands), forwards run in bf16 (logprobs differ from fp32's, slightly), and
-    the proximal pass and the update compute the same numbers (the first ratio is exactly 1)."""
+    resolution still lands), forwards run in bf16 (logprobs differ from fp32's, slightly), the
+    proximal pass and the update compute the same numbers (the first ratio is exactly 1), and
+    the weights pushed to the servers are the master weights in bf16, the servers' dtype."""
     lr = 1e-6  # Adam moves each weight by ~lr: 1/1000 of bf16's step near 0.1
     bf16 = DeepSpeedTrainer(tiny_model_dir, lr=lr, weight_decay=0.0, grad_clip=10.0,
                             zero_stage=zero_stage, dtype="bfloat16", micro_batch_tokens=1000)
     fp32 = DeepSpeedTrainer(tiny_model_dir, lr=lr, weight_decay=0.0, grad_clip=10.0,
                             zero_stage=zero_stage, micro_batch_tokens=1000)
     b = _batch()
-    before = {k: v.clone() for k, v in bf16.weights().items()}
+
+    def master() -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in bf16.engine.module.state_dict().items()}
+
+    before = master()
     assert all(v.dtype == torch.float32 for v in before.values())
+    pushed = bf16.weights()
+    assert pushed and all(v.dtype == torch.bfloat16 for v in pushed.values())
+    assert all(torch.equal(v, before[k].bfloat16()) for k, v in pushed.items())
     prox = bf16.logprobs(b)
     gap = (prox - fp32.logprobs(b))[b.loss_mask.bool()].abs().max()
     assert 0 < gap < 0.05, f"bf16 autocast logprobs off fp32 by {gap}"
@@ -311,7 +319,7 @@ def test_bf16_autocasts_over_fp32_master_weights(tiny_model_dir, zero_stage):
 
     bf16.train_step(b, prox, recording_loss)
     assert seen == [0.0]
-    after = bf16.weights()
+    after = master()
     moved = [(after[k] - before[k]).abs().max().item() for k in before]
     assert max(moved) > 0.5 * lr
     # Held in bf16, most of that update would have rounded away.

@@ -146,6 +146,9 @@ class DeepSpeedTrainer:
         # in bf16 would lose updates smaller than 2^-8 of a weight: Adam's steps at RL learning
         # rates mostly are. float16 keeps DeepSpeed's fp16 mode (half weights, loss scaling).
         self.autocast = dtype == "bfloat16"
+        # The servers serve in the run's dtype: a bf16 run's fp32 master weights go out in bf16,
+        # half the bytes to copy, send and load (the servers would cast them on load anyway).
+        self.serve_dtype = torch.bfloat16 if self.autocast else None
         weights_dtype = "float32" if self.autocast else dtype
         model = load_model(model_dir, weights_dtype).to(self.device)
         model.config.use_cache = False
@@ -318,9 +321,10 @@ class DeepSpeedTrainer:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The full weights the rollout servers load, in ``state_dict`` order, on the trainer's
-        device; a tied ``lm_head.weight`` is left out (the servers re-tie on load). A collective
-        under ZeRO-3 (every rank gathers and gets copies); under ZeRO 0-2 views of the live
-        parameters, valid until the next update."""
+        device and in the dtype the servers serve (bf16 runs: a bf16 copy of the fp32 master
+        weights); a tied ``lm_head.weight`` is left out (the servers re-tie on load). A
+        collective under ZeRO-3 (every rank gathers and gets copies); under ZeRO 0-2 in fp32
+        views of the live parameters, valid until the next update."""
         module = self.engine.module
         if self.zero_stage == 3:
             import deepspeed
@@ -331,6 +335,8 @@ class DeepSpeedTrainer:
             state = {k: v.detach() for k, v in module.state_dict().items()}
         if self.tied:
             state.pop("lm_head.weight", None)
+        if self.serve_dtype is not None:
+            state = {k: v.to(self.serve_dtype) for k, v in state.items()}
         return state
 
     def save_weights(self, path: str | Path) -> Path:
