@@ -396,8 +396,14 @@ def copy_history(run_ids: list[int], keys: list[str], steps: int) -> int:
                 f"COPY {MetricPoint._meta.db_table} (run_id, key, step, value, wall_time) FROM STDIN") as cp:
             cp.write(buf.getvalue())
         metric_rollups_rebuild(run=Run.objects.get(id=run_id))
+    # VACUUM as well as ANALYZE: a table just filled by COPY has no visibility map (index-only
+    # scans fetch every heap page) and is due an autovacuum, which would then run inside the
+    # measured minutes; a tracker that has been up a while has had both.
+    from webapp.tracking.models import MetricRollup
+
     with connection.cursor() as cur:
-        cur.execute(f"ANALYZE {MetricPoint._meta.db_table}")
+        for model in (MetricPoint, MetricRollup):
+            cur.execute(f"VACUUM (ANALYZE) {model._meta.db_table}")
     return total
 
 
@@ -430,6 +436,15 @@ def _machine_jiffies() -> tuple[int, int]:
     return sum(values) - idle, sum(values)
 
 
+def _reaped_cpu_s(pid: int) -> float:
+    """cutime + cstime: the CPU seconds of ``pid``'s children that exited and were reaped."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [p.pid for p in psutil.Process(pid).children()]
@@ -447,10 +462,15 @@ def stack_snapshot(server_pids: list[int], ingest_pid: int | None = None) -> dic
         cur.execute("SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
                     "AND pid <> pg_backend_pid()")
         backends = [r[0] for r in cur.fetchall()]
+        cur.execute("SELECT pg_backend_pid()")
+        postmaster = psutil.Process(cur.fetchone()[0]).ppid()
     connection.close()
     web = [p for pid in server_pids for p in (pid, *_children(pid))]
     ingest = [ingest_pid, *_children(ingest_pid)] if ingest_pid else []
+    # Backends come and go (connections live CONN_MAX_AGE seconds): those that exited are counted
+    # through the postmaster's reaped-children time, which a live list alone would miss.
     return {"web": {p: _cpu_s(p) for p in web}, "pg": {p: _cpu_s(p) for p in backends},
+            "pg_reaped": _reaped_cpu_s(postmaster),
             "ingest": {p: _cpu_s(p) for p in ingest}, "jiffies": _machine_jiffies()}
 
 
@@ -463,7 +483,8 @@ def cpu_report(before: dict[str, Any], after: dict[str, Any], clients_cpu_s: flo
     busy = after["jiffies"][0] - before["jiffies"][0]
     total = after["jiffies"][1] - before["jiffies"][1]
     cores = os.cpu_count() or 1
-    web, pg = used("web"), used("pg")
+    web = used("web")
+    pg = used("pg") + max(0.0, after.get("pg_reaped", 0.0) - before.get("pg_reaped", 0.0))
     busy_cores = cores * busy / total if total else 0.0
     return {"cores": cores, "machine_busy_frac": busy / total if total else None,
             "web_workers_cpu_s": web, "ingest_pool_cpu_s": used("ingest"),
