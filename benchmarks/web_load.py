@@ -420,13 +420,14 @@ def count_stored(run_ids: list[int]) -> dict[str, int]:
 
 # ---- CPU accounting: who used the machine during the load (it is shared) ----------------------
 
-def _cpu_s(pid: int) -> float:
-    """utime + stime of a process, in seconds (0 if it is gone)."""
+def _cpu_s(pid: int, *, reaped: bool = False) -> float:
+    """utime + stime of a process in seconds, or with ``reaped`` those of its children that
+    exited and were waited for (0 if it is gone)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
+        t = psutil.Process(pid).cpu_times()
+    except psutil.NoSuchProcess:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return t.children_user + t.children_system if reaped else t.user + t.system
 
 
 def _machine_jiffies() -> tuple[int, int]:
@@ -434,15 +435,6 @@ def _machine_jiffies() -> tuple[int, int]:
     values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     idle = values[3] + values[4]  # idle + iowait
     return sum(values) - idle, sum(values)
-
-
-def _reaped_cpu_s(pid: int) -> float:
-    """cutime + cstime: the CPU seconds of ``pid``'s children that exited and were reaped."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
 
 
 def _children(pid: int) -> list[int]:
@@ -470,7 +462,7 @@ def stack_snapshot(server_pids: list[int], ingest_pid: int | None = None) -> dic
     # Backends come and go (connections live CONN_MAX_AGE seconds): those that exited are counted
     # through the postmaster's reaped-children time, which a live list alone would miss.
     return {"web": {p: _cpu_s(p) for p in web}, "pg": {p: _cpu_s(p) for p in backends},
-            "pg_reaped": _reaped_cpu_s(postmaster),
+            "pg_reaped": _cpu_s(postmaster, reaped=True),
             "ingest": {p: _cpu_s(p) for p in ingest}, "jiffies": _machine_jiffies()}
 
 
