@@ -70,11 +70,11 @@ def test_json_at_the_depth_limit_is_parsed_and_checked_per_field(api):  # noqa: 
     ("notes: .nan", "finite"),
     ("1: x", "keys must be text"),
 ])
-def test_bad_yaml_in_spec_check_is_an_error_naming_the_spec(api, text, fragment):  # noqa: F811
+def test_bad_yaml_in_spec_check_is_an_error_naming_the_yaml_field(api, text, fragment):  # noqa: F811
     r = api.post("/api/runs/spec-check/", {"yaml": text}, format="json")
     assert r.status_code == 200, r.content[:300]  # spec-check's verdict: valid false, per field
     body = r.json()
-    assert body["valid"] is False and body["errors"][0]["field"] == "spec"
+    assert body["valid"] is False and body["errors"][0]["field"] == "yaml"
     assert fragment in body["errors"][0]["message"], body["errors"]
 
 

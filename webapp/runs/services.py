@@ -41,7 +41,7 @@ def run_spec_check(*, user, spec: dict[str, Any] | None = None,
 
     if text is not None:
         try:
-            spec = spec_from_yaml(text)
+            spec = spec_from_yaml(text, field="yaml")  # the input field that holds the text
         except ApplicationError as exc:
             return {"valid": False, "errors": exc.errors, "spec": None, "yaml": text,
                     "resolved": None}
