@@ -101,7 +101,8 @@ async def _greedy(engine: Any, prompts: list[list[int]], max_new_tokens: int) ->
     futures = []
     for i, ids in enumerate(prompts):
         future = loop.create_future()
-        engine.submit(Seq(f"offline-eval-{i}", list(ids), max_new_tokens, 0.0, 1.0, -1, set(),
-                          False, future, loop))
+        engine.submit(Seq(rid=f"offline-eval-{i}", prompt=list(ids), max_new_tokens=max_new_tokens,
+                          temperature=0.0, top_p=1.0, top_k=-1, stop_ids=set(),
+                          ignore_eos=False, future=future, loop=loop))
         futures.append(future)
     return list(await asyncio.gather(*futures))

@@ -326,17 +326,19 @@ class DeepSpeedTrainer:
         collective under ZeRO-3 (every rank gathers and gets copies); under ZeRO 0-2 in fp32
         views of the live parameters, valid until the next update."""
         module = self.engine.module
+        cast = self.serve_dtype
         if self.zero_stage == 3:
             import deepspeed
 
+            # One copy each, already in the served dtype: the gathered tensors go at block's end.
             with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+                state = {k: v.detach().to(cast or v.dtype, copy=True)
+                         for k, v in module.state_dict().items()}
         else:
-            state = {k: v.detach() for k, v in module.state_dict().items()}
+            state = {k: v.detach() if cast is None else v.detach().to(cast)
+                     for k, v in module.state_dict().items()}
         if self.tied:
             state.pop("lm_head.weight", None)
-        if self.serve_dtype is not None:
-            state = {k: v.to(self.serve_dtype) for k, v in state.items()}
         return state
 
     def save_weights(self, path: str | Path) -> Path:
