@@ -32,6 +32,7 @@ ENV_ALLOW = frozenset({
     "TRANSFORMERS_OFFLINE", "OOLONG_CACHE", "OOLONG_NODE_ADDRESS", "OOLONG_CHECKPOINT_STORE",
     "OOLONG_RUN_ID",  # marks every process of a run (what an operator greps /proc for)
     "OOLONG_PORT_RANGE",  # the ports a node's processes may listen on (launch.free_port)
+    "OOLONG_FUSED_DECODE",  # "0": the embedded servers decode through transformers' forward
     "DS_ACCELERATOR", "TORCH_CUDA_ARCH_LIST", "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH",
     "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
     "http_proxy", "https_proxy", "no_proxy",

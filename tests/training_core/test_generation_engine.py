@@ -22,11 +22,13 @@ def engine(tiny_model_dir):
     batches: list[int] = []
     tokens: list[int] = []  # a prefill's distinct prefix nodes (rows hold prefix forests)
 
-    def record(_m, _a, kw):
-        batches.append(kw["input_ids"].shape[0])
-        tokens.append(int((kw["input_ids"] != 0).sum()))
+    def record(_m, args):
+        ids = args[0]  # [rows, width] in a prefill, [rows] in a fused decode step
+        batches.append(ids.shape[0])
+        tokens.append(int((ids != 0).sum()))
 
-    eng.model.register_forward_pre_hook(record, with_kwargs=True)
+    # the token embedding: every forward starts there, transformers' and fused_decode's alike
+    eng.model.get_input_embeddings().register_forward_pre_hook(record)
     eng.forward_batches, eng.forward_tokens = batches, tokens
     yield eng
     eng.shutdown()

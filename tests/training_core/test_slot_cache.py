@@ -4,6 +4,7 @@ tokens."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from training_core.engines import slot_cache
@@ -14,8 +15,9 @@ from training_core.models.loading import load_model
 class Batch:
     """The engine's use of the cache, without threads or sampling: tokens are given."""
 
-    def __init__(self, model):
+    def __init__(self, model, full_width: bool = False):
         self.model, self.slots, self.rows, self.next_pos = model, None, [], None
+        self.full_width = full_width
 
     @torch.no_grad()
     def join(self, prompts: list[list[int]]) -> torch.Tensor:
@@ -23,7 +25,7 @@ class Batch:
         if self.slots is None:
             keys = layers_kv[0][0]
             self.slots = SlotCache(len(layers_kv), keys.shape[1], keys.shape[3], keys.dtype,
-                                   torch.device("cpu"))
+                                   torch.device("cpu"), full_width=self.full_width)
         self.slots.join(layers_kv, mask, torch.arange(len(prompts)))
         pos = mask.sum(-1)
         self.next_pos = pos if self.next_pos is None else torch.cat([self.next_pos, pos])
@@ -53,10 +55,14 @@ def _reference(reference_model, rows: list[list[int]]) -> torch.Tensor:
     return torch.stack([reference_model(input_ids=torch.tensor([r])).logits[0, -1] for r in rows])
 
 
-def test_decoding_through_joins_moves_and_growth_matches_full_forwards(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("full_width", [False, True], ids=["window", "full-width"])
+def test_decoding_through_joins_moves_and_growth_matches_full_forwards(tiny_model_dir, monkeypatch,
+                                                                       full_width):
+    """Both ways decode attends: over the window (fp32), or over the buffers' whole width with
+    the columns outside the window masked (reduced precision on CPU, see SlotCache)."""
     monkeypatch.setattr(slot_cache, "LEFT_HEADROOM", 2)  # longer joiners must move the window
-    # The buffers are uninitialised: filled with nan here, any column read before it was
-    # written would turn the logits to nan.
+    # The window's buffers are uninitialised: filled with nan here, any column read before it
+    # was written would turn the logits to nan. Full width zero-fills them (it reads them all).
     monkeypatch.setattr(slot_cache, "_uninitialized",
                         lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype))
     model = load_model(tiny_model_dir).eval()
@@ -67,7 +73,7 @@ def test_decoding_through_joins_moves_and_growth_matches_full_forwards(tiny_mode
     def toks(n: int) -> list[int]:
         return torch.randint(3, 60, (n,), generator=g).tolist()
 
-    batch = Batch(model)
+    batch = Batch(model, full_width)
     batch.join([toks(4), toks(6), toks(4)])
     checked = 0
     for step in range(150):  # past the first 128 columns: the window moves and the buffers grow

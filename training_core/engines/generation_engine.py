@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +50,7 @@ import torch
 from safetensors.torch import load_file
 
 from training_core.allocator import retain_freed_memory
+from training_core.engines.fused_decode import FUSED_DECODE_ENV, FusedDecoder, supports
 from training_core.engines.packed_linear import can_pack, pack_linears, repack
 from training_core.engines.prefix_tree import layer_masks, sliding_window
 from training_core.engines.slot_cache import ATTENTION, SlotCache, forest_prefill
@@ -87,7 +89,8 @@ class Seq:
 
 class GenerationEngine:
     def __init__(self, model_path: str, *, device: str = "cpu", max_batch_size: int = 256,
-                 seed: int = 0, weight_version: str = "0", dtype: str = "float32"):
+                 seed: int = 0, weight_version: str = "0", dtype: str = "float32",
+                 fused_decode: bool | None = None):
         from training_core.models.loading import load_model, load_tokenizer
 
         retain_freed_memory()  # every step allocates logits-sized tensors (allocator.py)
@@ -104,6 +107,11 @@ class GenerationEngine:
         self.eos_ids: set[int] = set()
         self._window: int | None = None
         self._packed = False
+        # Decode steps through fused_decode.py where the model allows it; off (transformers'
+        # forward) with fused_decode=False or OOLONG_FUSED_DECODE=0, to compare or to rule it out
+        self._fused_wanted = (os.environ.get(FUSED_DECODE_ENV, "1") != "0" if fused_decode is None
+                              else fused_decode)
+        self._fused: FusedDecoder | None = None
         self.context_len = 1 << 30
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -161,6 +169,8 @@ class GenerationEngine:
                     torch.zeros(1, 1, 1, 1))
         if self._window is not None:
             log.info("sliding window of %d tokens applied in prefill and decode", self._window)
+        if self._fused_wanted and self._packed and supports(self.model):
+            self._fused = FusedDecoder(self.model)
         self.eos_ids = self._eos_ids()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.context_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
@@ -428,6 +438,8 @@ class GenerationEngine:
             self.model.tie_weights()
         if self._packed:
             repack(self.model)
+        if self._fused is not None:
+            self._fused.refresh()
         if req.version is not None:
             self.weight_version = req.version
         if req.model_path is not None:
@@ -463,12 +475,15 @@ class GenerationEngine:
         mask = self._slots.decode_mask()
         if self._window is not None:  # a sliding window: the last columns only (prefix_tree)
             mask = layer_masks(self.model.config, mask, self._slots.decode_distance())
-        out = self.model(input_ids=self._last.view(-1, 1), attention_mask=mask,
-                         position_ids=self._next_pos.view(-1, 1), past_key_values=self._slots,
-                         use_cache=True)
+        if self._fused is not None:
+            logits = self._fused(self._last, self._next_pos, mask, self._slots)
+        else:
+            logits = self.model(input_ids=self._last.view(-1, 1), attention_mask=mask,
+                                position_ids=self._next_pos.view(-1, 1),
+                                past_key_values=self._slots, use_cache=True).logits[:, -1, :]
         self._slots.advance()
         self._next_pos = self._next_pos + 1
-        self._sample_and_advance(out.logits[:, -1, :].float(), rows=range(len(self._active)))
+        self._sample_and_advance(logits.float(), rows=range(len(self._active)))
 
     def _sample_and_advance(self, logits: torch.Tensor, rows: range) -> None:
         """Sample one token for each row in ``rows`` (logits has one line per row in ``rows``)."""
