@@ -701,7 +701,9 @@ def main() -> int:
                          "ingest_pool": None if args.single_pool else {
                              "command": "OOLONG_WEB_POOL=ingest scripts/serve.sh",
                              "workers": ingest_workers, "threads": args.ingest_threads,
-                             "nice": args.ingest_nice}},
+                             "nice": args.ingest_nice},
+                         # chart reads shared through the cache (settings.SERIES_CACHE_S)
+                         "series_cache_s": float(os.environ.get("OOLONG_SERIES_CACHE_S", "3"))},
               "cpu": cpu,
               "setup_s": setup_s, "load_wall_s": load_s}
     report = build_report(requests=requests, pages=user_side["pages"], duration_s=duration,

@@ -59,3 +59,55 @@ def test_each_more_run_costs_only_its_series_reads(runs):
     # Two per run for its series (key ranges, then the buckets); the last rewards and the first
     # step's time of every run come in one statement, whatever the number of runs.
     assert three - one == 2 * 2
+
+
+@pytest.fixture
+def shared_series(settings):
+    """The production setting: chart reads shared through the cache for a few seconds."""
+    from django.core.cache import cache
+
+    settings.SERIES_CACHE_S = 60
+    cache.clear()
+    yield settings
+    cache.clear()
+
+
+def _reads(fn) -> int:
+    with CaptureQueriesContext(connection) as q:
+        fn()
+    return len(q.captured_queries)
+
+
+def test_viewers_of_the_same_runs_share_one_read_for_the_cache_interval(runs, shared_series):
+    """A second viewer inside the interval costs the database no series read, and sees what the
+    first saw; other buckets, keys or runs are entries of their own; after the interval the
+    new points show."""
+    compare = lambda: runs_compare(runs=runs, keys=["reward/mean"], buckets=50, x="step")  # noqa: E731
+    first_cost, first = _reads(compare), compare()
+    again_cost = _reads(compare)
+    assert again_cost == first_cost - 2 * len(runs)  # no key ranges, no buckets: from the cache
+    _ingest(runs[0], range(200, 260), "reward/mean", lambda s: 1.0)
+    assert compare()["series"] == first["series"]  # inside the interval: the shared read
+    other = runs_compare(runs=runs, keys=["reward/mean"], buckets=51, x="step")
+    assert other["series"][runs[0].id][0]["step"][-1] == 259  # other buckets: read afresh
+    shared_series.SERIES_CACHE_S = 0.2  # entries written now expire quickly
+    from django.core.cache import cache
+
+    cache.clear()
+    compare()
+    import time
+
+    time.sleep(0.3)
+    _ingest(runs[0], range(260, 280), "reward/mean", lambda s: 1.0)
+    assert compare()["series"][runs[0].id][0]["step"][-1] == 279  # after the interval: fresh
+
+
+def test_the_shared_read_is_reached_only_through_the_users_own_access(runs, shared_series, api,
+                                                                      bob_api):
+    """Alice's comparison fills the cache; Bob, who is not in her project, still gets a 404
+    for the same runs: the cache sits behind the access check, keyed by run id."""
+    ids = ",".join(str(r.id) for r in runs)
+    assert api.get("/api/runs/compare/", {"ids": ids, "keys": "reward/mean"}).status_code == 200
+    assert bob_api.get("/api/runs/compare/", {"ids": ids, "keys": "reward/mean"}).status_code == 404
+    assert bob_api.get(f"/api/runs/{runs[0].id}/metrics/",
+                       {"keys": "reward/mean"}).status_code == 404

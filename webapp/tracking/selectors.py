@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
+import json
 import operator
 from typing import Any
 
+from django.conf import settings
+from django.core.cache import cache
 from django.db import connection
 from django.db.models import Max, Sum
 
@@ -99,6 +103,22 @@ def _binary_cursor():
 
 
 def _series_batch(run: Run, keys: list[str], buckets: int) -> dict[str, dict[str, Any]]:
+    """:func:`_series_read`, shared through the cache for ``settings.SERIES_CACHE_S`` seconds
+    (one entry per run, keys and buckets). Callers reach it only for runs the user may read."""
+    ttl = settings.SERIES_CACHE_S
+    if ttl <= 0:
+        return _series_read(run, keys, buckets)
+    keys = list(dict.fromkeys(keys))
+    digest = hashlib.sha1(json.dumps(keys).encode()).hexdigest()[:16]
+    name = f"oolong:series:{run.id}:{buckets}:{digest}"
+    found = cache.get(name)
+    if found is None:
+        found = _series_read(run, keys, buckets)
+        cache.set(name, found, ttl)
+    return found
+
+
+def _series_read(run: Run, keys: list[str], buckets: int) -> dict[str, dict[str, Any]]:
     """Each key's series, bucketed in SQL, in at most three queries: the keys' step ranges from
     the coarsest rollup level, then one query for the keys whose buckets are wide enough for
     rollup blocks (they read the coarsest level whose blocks fit, with LEVEL_SLACK) and one for

@@ -144,6 +144,12 @@ CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
           if os.environ.get("DJANGO_CACHE_URL") else
           {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
+# Chart reads (a run's series for given keys and buckets) are shared from the cache for this many
+# seconds: viewers of the same live runs (the run pages' 3 s refresh, the compare view) then cost
+# the database one read per run and interval, not one per viewer. A chart is at most this much
+# older than the database; 0 reads every time.
+SERIES_CACHE_S = float(os.environ.get("OOLONG_SERIES_CACHE_S", "3"))
+
 # What a project's members may ask of the machines when an administrator set nothing else for
 # the project (Django admin, Project > quota): a fresh project cannot start 500 rollout servers.
 PROJECT_QUOTA_DEFAULTS = {

@@ -9,3 +9,4 @@ PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast tes
 CELERY_BROKER_URL = "memory://"
 CELERY_RESULT_BACKEND = "cache+memory://"
 DATABASES["default"]["CONN_MAX_AGE"] = 0  # live-server threads must not hold connections open
+SERIES_CACHE_S = 0  # tests read what they just wrote; the cache has tests of its own
