@@ -13,7 +13,7 @@ import difflib
 import re
 import string
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -21,6 +21,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -407,18 +408,43 @@ class TerraformVarsSpec(_Section):
         "prefix); empty: checkpoints die with the nodes"))
     checkpoint_prefix: str = Field("oolong", pattern=r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$",
                                    description="key prefix of the store in checkpoint_bucket")
+    control_plane_vpc_id: str = Field("", pattern=r"^(vpc-[0-9a-f]{8,17})?$", description=(
+        "the control plane's VPC: the run's VPC is peered with it, and the flow reaches the "
+        "nodes at their private addresses; empty: no peering"))
+    control_plane_vpc_cidr: str = Field("", validate_default=True, description=(
+        "the control plane VPC's range; outside 10.100.0.0-10.249.255.255 (the runs' own)"))
+    control_plane_route_table_ids: list[Annotated[str, Field(pattern=r"^rtb-[0-9a-f]{8,17}$")]] = \
+        Field(default_factory=list, description="the control plane's route tables that get a "
+                                                "route to the run's VPC")
 
     @field_validator("control_plane_cidrs", "ssh_allowed_cidrs")
     @classmethod
     def _cidrs(cls, value: list[str]) -> list[str]:
+        for cidr in value:
+            _network(cidr)
+        return value
+
+    @field_validator("control_plane_vpc_cidr")
+    @classmethod
+    def _control_plane_vpc(cls, value: str, info: ValidationInfo) -> str:
         import ipaddress
 
-        for cidr in value:
-            try:
-                ipaddress.ip_network(cidr, strict=False)
-            except ValueError:
-                raise ValueError(f"{cidr!r} is not a CIDR block (e.g. 10.0.0.0/16)") from None
+        if info.data.get("control_plane_vpc_id") and not value:
+            raise ValueError("set it with control_plane_vpc_id (the peering routes this range)")
+        if value and any(_network(value).overlaps(ipaddress.ip_network(f"10.{b}.0.0/16"))
+                         for b in range(100, 250)):
+            raise ValueError(f"{value!r} overlaps the runs' own VPCs (10.100.0.0/16 to "
+                             "10.249.0.0/16): the peering could not route it")
         return value
+
+
+def _network(cidr: str):
+    import ipaddress
+
+    try:
+        return ipaddress.ip_network(cidr, strict=False)
+    except ValueError:
+        raise ValueError(f"{cidr!r} is not a CIDR block (e.g. 10.0.0.0/16)") from None
 
 
 class PlacementSpec(_Section):

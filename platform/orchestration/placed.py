@@ -3,8 +3,9 @@
 on the queue of the node that runs it, ``node-<index>``, in the pool the run's nodes serve.
 Watched and cancelled through Prefect's API; the ``training-run`` flow decides.
 
-Placement: ``placement.plan`` (per GPU: the trainer's ranks per node, each server's GPUs and
-tensor-parallel size), refused before anything starts when it does not fit.
+Placement: Ray's placement groups where the run has a Ray cluster (``ray_placement.reserve``:
+per GPU, the trainer's ranks per node, each server's GPUs and tensor-parallel size), else
+``placement.plan`` for nodes without GPUs; refused before anything starts when it does not fit.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from urllib.parse import urlsplit
 from uuid import UUID
 
 from prefect.client.orchestration import get_client
@@ -28,6 +30,7 @@ from orchestration.flows.node_processes import master_variable, server_variable,
 from orchestration.placement import Placement, PlacementError, plan  # noqa: F401 - re-exported
 from orchestration.probe import probe
 from orchestration.providers.base import NodeInventory, node_queue
+from orchestration.ray_placement import Reservation
 from orchestration.supervise import Outcome
 from orchestration.tracker import Tracker
 from training_core.config import RunSpec
@@ -65,6 +68,7 @@ class PlacedRun:
     trainers: list[PlacedProcess] = field(default_factory=list)
     jobs: list[PlacedProcess] = field(default_factory=list)  # run to completion first (warm start)
     urls: list[str] = field(default_factory=list)
+    reservation: Reservation | None = None  # Ray's hold on the placement's GPUs
 
     def _variables(self) -> list[str]:
         return [master_variable(self.run_id),
@@ -100,9 +104,7 @@ class PlacedRun:
         for name in self._variables():  # a previous attempt's announcements mean nothing now
             Variable.unset(name)
         for slot in self.placement.servers:
-            self.servers.append(self._place(f"rollout-server/{self.pool}", slot.node,
-                                            f"rollout server {slot.index}", index=slot.index,
-                                            gpus=list(slot.gpus)))
+            self.servers.append(self._place_server(slot.index))
         urls = self.urls
         deadline = time.monotonic() + timeout_s
         for i, server in enumerate(self.servers):
@@ -110,6 +112,28 @@ class PlacedRun:
             wait_healthy(url + "/health", max(deadline - time.monotonic(), 1.0))
             urls.append(url)
         return urls
+
+    def _place_server(self, index: int, port: int | None = None) -> PlacedProcess:
+        slot = self.placement.servers[index]
+        return self._place(f"rollout-server/{self.pool}", slot.node, f"rollout server {index}",
+                           index=index, gpus=list(slot.gpus), port=port)
+
+    def replace_server(self, index: int, timeout_s: float = 300.0) -> str:
+        """Server ``index`` exited while its node lives on: a new one on the same node and GPUs
+        (its Ray bundle still holds them), at the same URL, so the trainer, which waits for a
+        restarting server within its retry window, finds it there; its next weight push sees
+        the launch ``weight_version``, rebuilds the group and brings it to the current one.
+        Returns the URL; raises when it cannot serve there in time."""
+        old = self.urls[index]
+        Variable.unset(server_variable(self.run_id, index))
+        process = self._place_server(index, port=urlsplit(old).port)
+        self.servers[index] = process
+        deadline = time.monotonic() + timeout_s
+        url = self._announced(server_variable(self.run_id, index), process, deadline)
+        if url != old:
+            raise RuntimeError(f"{process.what} came back at {url}, not {old}")
+        wait_healthy(url + "/health", max(deadline - time.monotonic(), 1.0))
+        return url
 
     def _announced(self, variable: str, process: PlacedProcess, deadline: float) -> str:
         while True:
@@ -160,12 +184,15 @@ class PlacedRun:
     def supervise(self, tracker: Tracker, *, poll_s: float = 2.0) -> Outcome:
         """Until the trainers finish, one of the run's processes ends early, a server stops
         answering for ``orchestration.heartbeat_timeout_s`` (a node that died takes its worker
-        with it, and nobody reports its flow runs' end), or a cancel."""
+        with it, and nobody reports its flow runs' end), or a cancel. A server whose process
+        exited on a live node is replaced in place, up to ``orchestration.max_server_restarts``
+        times in the attempt."""
         orch = self.spec.orchestration
         timeout = orch.heartbeat_timeout_s
         lost_after = min(orch.server_lost_after_s, timeout)
         last_seen = [time.monotonic()] * len(self.urls)
         used = sorted({p.node for p in self.trainers + self.servers})
+        replaced = 0  # servers replaced in place (orchestration.max_server_restarts)
         unread = object()
         first_step = last_step = unread  # first_step: where this attempt started (a resume's)
         progressed = time.monotonic()
@@ -194,10 +221,33 @@ class PlacedRun:
             states = self._states(self.trainers + self.servers)
             if all(states[p][0] == "COMPLETED" for p in self.trainers):
                 return Outcome("succeeded")
-            for p, (state, message) in states.items():
-                if state in TERMINAL and not (p in self.trainers and state == "COMPLETED"):
+            for p in self.trainers:  # a trainer's end is decided before any server is replaced
+                state, message = states[p]
+                if state in TERMINAL and state != "COMPLETED":
                     return Outcome("failed", f"{p.what} ended: {state} {message}".strip(),
                                    recoverable=state in {"FAILED", "CRASHED"})
+            for i, p in enumerate(self.servers):
+                state, message = states[p]
+                if state not in TERMINAL:
+                    continue
+                detail = f"{p.what} ended: {state} {message}".strip()
+                # its process exited and its node's worker said so: that node lives on
+                if state not in {"FAILED", "CRASHED"} or replaced >= orch.max_server_restarts:
+                    return Outcome("failed", detail, recoverable=state in {"FAILED", "CRASHED"})
+                replaced += 1
+                detail = detail.splitlines()[0]
+                try:
+                    url = self.replace_server(i)
+                except Exception as exc:  # noqa: BLE001 - the whole run recovers instead
+                    return Outcome("failed", f"{detail}; replacing it failed: {exc}",
+                                   recoverable=True)
+                tracker.event("recovery", f"{detail}; replaced in place at {url} "
+                                          f"({replaced}/{orch.max_server_restarts}): the "
+                                          "trainer re-admits it at its next weight push",
+                              server=i, url=url)
+                # the loop stood still while the new server came up: every clock restarts
+                last_seen = [time.monotonic()] * len(self.urls)
+                progressed = time.monotonic()
             try:
                 info = tracker.run_info()
             except Exception:  # noqa: BLE001 - the web app may be restarting; ask again
@@ -238,11 +288,13 @@ class PlacedRun:
             pending = [p for p in pending if self.state(p) not in TERMINAL]
         for name in self._variables():
             Variable.unset(name)
-        return [p.what for p in pending]
+        # never raises: the teardown goes on; what it could not remove is reported with the rest
+        released = self.reservation.release() if self.reservation is not None else []
+        return [p.what for p in pending] + released
 
-    def reset(self, placement: Placement) -> None:
+    def reset(self, placement: Placement, reservation: Reservation | None = None) -> None:
         """A fresh attempt on another placement (after ``stop``): nothing placed yet."""
-        self.placement = placement
+        self.placement, self.reservation = placement, reservation
         self.servers, self.trainers, self.jobs, self.urls = [], [], [], []
 
 

@@ -82,7 +82,7 @@ def supervise(tracker: Tracker, trainer: ManagedProcess, fleet: Fleet, run_dir: 
         if now - last_cancel_check >= cancel_poll_s:
             last_cancel_check = now
             try:
-                if tracker.run_info().get("cancel_requested"):
+                if tracker.cancel_requested():
                     stop_trainer()
                     return Outcome("cancelled", "cancelled by user")
             except Exception:  # noqa: BLE001 - the web app may be restarting; try again later

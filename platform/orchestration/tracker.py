@@ -22,6 +22,9 @@ class Tracker:
     def run_info(self) -> dict[str, Any]:
         return self.web.get_json("/api/ingest/run/")
 
+    def cancel_requested(self) -> bool:
+        return bool(self.run_info().get("cancel_requested"))
+
     def status(self, status: str, reason: str = "") -> dict[str, Any]:
         return self.web.post_json("/api/ingest/status/", {"status": status, "reason": reason[:2000]})
 

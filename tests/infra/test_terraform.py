@@ -50,11 +50,15 @@ def test_every_variable_has_a_type_and_a_description(directory):
 def test_gpu_pool_and_run_module_expose_what_the_provider_reads():
     from orchestration.providers.terraform import REQUIRED_VARS
 
-    wanted = {"node_addresses", "private_addresses", "gpus_per_node", "ssh_user"}
+    wanted = {"node_addresses", "private_addresses", "gpus_per_node", "ssh_user", "ray_address"}
     assert wanted <= set(_blocks(TF / "modules" / "gpu_node_pool", "output"))
     assert wanted <= set(_blocks(TF / "run", "output"))
     run_vars = set(_blocks(TF / "run", "variable"))
     assert {"run_id", *REQUIRED_VARS} <= run_vars
+    # every variable a run spec may set (orchestration.terraform_vars) is one of the module's
+    from training_core.config import TerraformVarsSpec
+
+    assert set(TerraformVarsSpec.model_fields) <= run_vars
     for name, body in _blocks(TF / "run", "output").items():
         assert str(body.get("description", "")).strip(), f"output {name} has no description"
 
@@ -91,23 +95,62 @@ def test_checkov_finds_no_failed_checks(tmp_path):
     assert not failed, "\n".join(failed)
 
 
-def test_cloud_init_renders_a_worker_that_serves_the_nodes_queue(tmp_path):
-    """Rendered by Terraform itself (templatefile in `terraform console`): the node's worker
-    serves its own queue, the one the orchestration places processes on."""
+def _render_cloud_init(tmp_path: Path, node_index: int) -> dict:
+    """The node's cloud-init as Terraform itself renders it (templatefile in `terraform
+    console`), with the module's values for a run of 8-GPU nodes."""
     import yaml
-    from orchestration.providers.base import node_queue
 
     template = TF / "modules" / "gpu_node_pool" / "cloud-init.yaml.tftpl"
     expr = (f'templatefile("{template}", {{oolong_package="oolong[core,orchestration]",'
             ' sglang_version="0.5.23", prefect_api_url="http://10.0.0.5:4200/api",'
-            ' work_pool="oolong-run-7", node_index=2, port_range="30000-30999",'
-            ' checkpoint_store="s3://ckpt-bucket/oolong", runs_dir="/opt/oolong/runs"})')
+            f' work_pool="oolong-run-7", node_index={node_index}, port_range="30000-30999",'
+            ' checkpoint_store="s3://ckpt-bucket/oolong", runs_dir="/opt/oolong/runs", gpus=8,'
+            ' ray_head_address="10.0.1.10", ray_port=6379, ray_client_port=10001})')
     # An empty working directory: console leaves no state files in the repository.
     out = subprocess.run(["terraform", "console"], input=expr, cwd=tmp_path, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "TF_CLI_CONFIG_FILE": "/dev/null"})
     assert out.returncode == 0, out.stderr
     rendered = out.stdout.strip().removeprefix("<<EOT").removesuffix("EOT").strip()
-    doc = yaml.safe_load(rendered)
+    return yaml.safe_load(rendered)
+
+
+def test_cloud_init_joins_the_runs_ray_cluster_node_0_heading_it(tmp_path):
+    """Every node joins the run's Ray cluster with its GPUs and its queue as the label the
+    placement reads (orchestration/ray_placement.py); node 0, at the module's fixed address,
+    heads it and serves Ray Client to the control plane."""
+    from orchestration.ray_placement import NODE_LABEL
+
+    def ray_args(doc: dict) -> list[str]:
+        files = {f["path"]: f["content"] for f in doc["write_files"]}
+        unit = files["/etc/systemd/system/oolong-ray.service"]
+        assert "EnvironmentFile=/etc/oolong/node.env" in unit  # OOLONG_NODE_ADDRESS
+        return next(line for line in unit.splitlines() if line.startswith("ExecStart=")).split()
+
+    head, other = ray_args(_render_cloud_init(tmp_path, 0)), ray_args(_render_cloud_init(tmp_path, 2))
+    for args, index in ((head, 0), (other, 2)):
+        assert args[0] == "ExecStart=/opt/oolong/venv/bin/ray" and args[1:3] == ["start", "--block"]
+        assert args[args.index("--num-gpus") + 1] == "8"
+        assert args[args.index("--labels") + 1] == f"{NODE_LABEL}=node-{index}"
+        assert args[args.index("--node-ip-address") + 1] == "${OOLONG_NODE_ADDRESS}"
+    assert "--head" in head and "--address" not in head
+    assert head[head.index("--port") + 1] == "6379"
+    assert head[head.index("--ray-client-server-port") + 1] == "10001"
+    assert "--head" not in other and other[other.index("--address") + 1] == "10.0.1.10:6379"
+    cmds = [c for c in _render_cloud_init(tmp_path, 1)["runcmd"] if isinstance(c, str)]
+    assert "systemctl enable --now oolong-ray.service oolong-prefect-worker.service" in cmds
+    # the fixed head address is node 0's, and the control plane is told where to connect
+    instance = _pool_resources("aws_instance")["node"]
+    assert instance["private_ip"] == "${count.index == 0 ? local.ray_head_ip : null}"
+    outputs = {name.strip('"'): body for block in _load(TF / "run" / "outputs.tf")["output"]
+               for name, body in block.items()}
+    assert outputs["ray_address"]["value"] == "${module.pool.ray_address}"
+
+
+def test_cloud_init_renders_a_worker_that_serves_the_nodes_queue(tmp_path):
+    """The node's worker serves its own queue, the one the orchestration places processes on."""
+    from orchestration.providers.base import node_queue
+
+    doc = _render_cloud_init(tmp_path, 2)
     files = {f["path"]: f["content"] for f in doc["write_files"]}
     unit = files["/etc/systemd/system/oolong-prefect-worker.service"]
     start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
@@ -148,6 +191,9 @@ def test_nodes_reach_the_prefect_api_and_open_only_the_server_port_range():
     assert servers["to_port"] == "${var.server_port_range.to}"
     assert "${each.value}" in servers["cidr_ipv4"]  # the control plane's CIDRs, nobody else
     assert "rollout_from_control_plane" not in ingress  # the single fixed port is gone
+    ray_client = ingress["ray_client_from_control_plane"]  # the flow places runs through it
+    assert ray_client["from_port"] == ray_client["to_port"] == "${var.ray_client_port}"
+    assert "${each.value}" in ray_client["cidr_ipv4"]
     prefect = egress["prefect_api"]
     assert prefect["from_port"] == prefect["to_port"] == "${var.prefect_api_port}"
     assert {r["from_port"] for r in egress.values() if "from_port" in r} >= {443, 80}
@@ -163,3 +209,34 @@ def test_the_node_role_may_use_only_its_runs_prefix_of_the_bucket():
     assert "arn:aws:s3:::${var.checkpoint_bucket}/${local.store_prefix}/*" in text
     assert '"s3:*"' not in text and "arn:aws:s3:::*" not in text
     assert "s3:prefix" in text  # listing is limited to the run's prefix too
+
+
+def test_the_runs_vpc_is_peered_with_the_control_planes_when_given():
+    """With control_plane_vpc_id the flow reaches the nodes at their private addresses (the
+    ones servers announce): a peering, routes both ways, that VPC opened like the control
+    plane's CIDRs, and Ray Client at node 0's private address."""
+    peering = _pool_resources("aws_vpc_peering_connection")["control_plane"]
+    assert peering["count"] == "${local.peered ? 1 : 0}"
+    assert peering["vpc_id"] == "${aws_vpc.pool.id}"
+    assert peering["peer_vpc_id"] == "${var.control_plane_vpc_id}"
+    back = _pool_resources("aws_route")["control_plane_to_pool"]
+    assert back["destination_cidr_block"] == "${aws_vpc.pool.cidr_block}"
+    assert back["route_table_id"] == "${var.control_plane_route_table_ids[count.index]}"
+    there = _pool_resources("aws_route")["pool_to_control_plane"]
+    assert there["count"] == "${local.peered ? 1 : 0}"
+    assert there["destination_cidr_block"] == "${var.control_plane_vpc_cidr}"
+    assert there["vpc_peering_connection_id"] == "${aws_vpc_peering_connection.control_plane[0].id}"
+    assert "route" not in _pool_resources("aws_route_table")["pool"]  # none inline: no clash
+    ingress = _pool_resources("aws_vpc_security_group_ingress_rule")
+    for rule in ("servers_from_control_plane", "ray_client_from_control_plane"):
+        assert ingress[rule]["for_each"] == "${toset(local.control_cidrs)}", rule
+    locals_ = {k: v for block in _load(TF / "modules" / "gpu_node_pool" / "main.tf")["locals"]
+               for k, v in block.items()}
+    assert "var.control_plane_vpc_cidr" in locals_["control_cidrs"]
+    outputs = _blocks(TF / "modules" / "gpu_node_pool", "output")
+    assert "local.peered ? local.ray_head_ip" in outputs["ray_address"]["value"]
+    # runs peered at once with one control plane need ranges of their own
+    run = _load(TF / "run" / "main.tf")
+    pool = next(body for name, body in run["module"][0].items() if name.strip('"') == "pool")
+    assert pool["vpc_cidr"].strip('"') == "10.${100 + var.run_id % 150}.0.0/16"
+    assert pool["control_plane_vpc_id"] == "${var.control_plane_vpc_id}"

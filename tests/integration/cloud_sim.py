@@ -232,19 +232,25 @@ class SimulatedNode:
         return dict(line.split("=", 1) for line in path.read_text().splitlines()
                     if line.strip() and not line.startswith("#"))
 
-    def start_worker(self, machine_env: dict[str, str]) -> subprocess.Popen:
+    def start_unit(self, name: str, machine_env: dict[str, str]) -> subprocess.Popen:
         """The unit's ExecStart as systemd runs it: its EnvironmentFile's variables (and
-        systemd's own few), in its WorkingDirectory. ``machine_env``: what this CPU machine
-        without network needs and a GPU node would not (see the test)."""
-        unit = self.unit()
+        systemd's own few, ``${VAR}`` expanded in its arguments), in its WorkingDirectory, its
+        output in ``<unit>.log``. ``machine_env``: what this CPU machine without network needs
+        and a GPU node would not (see the test)."""
+        unit = self.unit(name)
         home = self.root / "home" / "ubuntu"
         home.mkdir(parents=True, exist_ok=True)
         env = {"PATH": SYSTEM_PATH, "HOME": str(home), "LANG": "C.UTF-8", **machine_env,
                **self.environment_file()}
-        log = self.root / "worker.log"
-        return subprocess.Popen(shlex.split(unit["ExecStart"]), cwd=unit["WorkingDirectory"],
-                                env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        argv = [re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), ""), word)
+                for word in shlex.split(unit["ExecStart"])]
+        log = self.root / f"{name.removesuffix('.service')}.log"
+        return subprocess.Popen(argv, cwd=unit["WorkingDirectory"], env=env,
+                                stdout=log.open("w"), stderr=subprocess.STDOUT,
                                 start_new_session=True)
+
+    def start_worker(self, machine_env: dict[str, str]) -> subprocess.Popen:
+        return self.start_unit("oolong-prefect-worker.service", machine_env)
 
 
 def link_dependencies(venv: Path, deps: Path) -> None:
@@ -272,7 +278,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def process_view(pid: int) -> dict | None:
-    """What a process runs, where and with which PYTHONPATH (None: it is gone)."""
+    """What a process runs, where, with which PYTHONPATH and GPUs (None: it is gone)."""
     proc = Path("/proc") / str(pid)
     try:
         cmdline = (proc / "cmdline").read_bytes().split(b"\0")
@@ -282,4 +288,5 @@ def process_view(pid: int) -> dict | None:
     except OSError:
         return None
     return {"argv0": cmdline[0].decode(), "cmdline": b" ".join(cmdline).decode(errors="replace"),
-            "cwd": cwd, "pythonpath": environ.get(b"PYTHONPATH", b"").decode()}
+            "cwd": cwd, "pythonpath": environ.get(b"PYTHONPATH", b"").decode(),
+            "gpus": environ.get(b"CUDA_VISIBLE_DEVICES", b"").decode()}

@@ -139,8 +139,8 @@ def test_two_servers_on_two_nodes_and_a_two_node_trainer_learn(nodes, stack, ari
     assert f"rollout servers end at weight_version {steps}, {steps}" in [
         m for k, m in _events(run_id) if k == "fleet"]
     placements = [m for k, m in _events(run_id) if k == "placement"]
-    assert placements == ["placement plan: trainer node 0 on node-0: 1 rank(s); trainer node 1 "
-                          "on node-1: 1 rank(s); rollout server 0 on node-1; rollout server 1 "
+    assert placements == ["placement plan (built-in, nodes without GPUs): trainer node 0 on "
+                          "node-0: 1 rank(s); trainer node 1 on node-1: 1 rank(s); rollout server 0 on node-1; rollout server 1 "
                           "on node-2"]
     wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")
 
@@ -260,7 +260,8 @@ def test_a_lost_trainer_node_is_recovered_automatically_with_steps_continuous(no
         recoveries
     assert "recovery 1/1" in recoveries[0] and "node-1, node-2" in recoveries[0]
     plans = [m for k, m in _events(run_id) if k == "placement"]
-    assert plans[-1].startswith("placement plan: trainer node 0 on node-1"), plans
+    assert plans[-1].startswith("placement plan (built-in, nodes without GPUs): trainer node 0 on "
+                                "node-1"), plans
     run_dir = nodes["dirs"][1] / "runs" / "flows" / f"run-{run_id}"
     assert (run_dir / "logs" / "trainer.log").exists(), "the trainer moved to node-1"
     assert any((run_dir / "checkpoints").glob("step*/COMPLETE")), "resumed from the store"
@@ -269,3 +270,49 @@ def test_a_lost_trainer_node_is_recovered_automatically_with_steps_continuous(no
     assert trained == list(range(1, steps + 1))  # continuous: no step missing
     wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")
 
+
+
+def _server_pid(node_dir: Path) -> int | None:
+    """The embedded rollout server running on the node whose directory is ``node_dir``."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (b"embedded_server" in (entry / "cmdline").read_bytes()
+                        and str(node_dir).encode() in (entry / "environ").read_bytes()):
+                    return int(entry.name)
+            except OSError:
+                continue
+    return None
+
+
+def test_a_dead_server_is_replaced_in_place_and_readmitted_at_the_trainers_version(
+        nodes, stack, admin):
+    """A rollout server's process dies (SIGKILL) while its node lives on: the flow starts a new
+    one on the same node at the same URL, the trainer waits for it and re-admits it at its next
+    push; no whole-run recovery, every step once, every server at the last version."""
+    from webapp.runs.models import Run
+    from webapp.tracking.models import MetricPoint
+
+    steps = 16
+    run_id = create_run(admin, "server-replaced", trainer={"steps": steps, "batch_groups": 2},
+                        rollout={"num_servers": 2},
+                        orchestration={"provider": "static", "max_restarts": 0,
+                                       "placement": {"trainer_nodes": 1, "server_nodes": [1, 2]}})
+    wait_for(lambda: MetricPoint.objects.filter(run_id=run_id, key="version").exists(), 300,
+             "the first training step")
+    victim = wait_for(lambda: _server_pid(nodes["dirs"][2]), 60, "the server on node-2")
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: run_status(run_id) in ("failed", "succeeded", "cancelled"), 600,
+             "the run to end")
+    run = Run.objects.get(id=run_id)
+    assert run.status == "succeeded", (run.status_reason, _events(run_id)[-10:])
+    recoveries = [m for k, m in _events(run_id) if k == "recovery"]
+    assert len(recoveries) == 1, recoveries
+    assert recoveries[0].startswith("rollout server 1 on node-2 ended: FAILED")
+    assert "replaced in place at http://127.0.0.4:" in recoveries[0] and "(1/2)" in recoveries[0]
+    trained = sorted(MetricPoint.objects.filter(run=run, key="version")
+                     .values_list("step", flat=True))
+    assert trained == list(range(1, steps + 1))  # every step once: no resume
+    assert f"rollout servers end at weight_version {steps}, {steps}" in [
+        m for k, m in _events(run_id) if k == "fleet"], _events(run_id)[-6:]
+    wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")

@@ -32,11 +32,15 @@ import pytest
 from tests.integration import cloud_sim
 from tests.integration.conftest import ROOT, create_run, run_processes, run_status, wait_for
 from tests.integration.prefect_cluster import kill, start_server
+from training_core.launch import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 POOL = "oolong-cloud-sim"
 NODES = ["127.0.0.2", "127.0.0.3"]
 PORT_RANGE = "41000-41499"  # the security group's server_port_range, here
+# Each node declares two GPUs to Ray (its oolong-ray unit's --num-gpus), as a g5.12xlarge would
+# declare four: Ray places by them and sets CUDA_VISIBLE_DEVICES, which this CPU ignores.
+GPUS = 2
 # This machine's, not the node's: no GPU (DeepSpeed's CPU accelerator, one thread per process)
 # and no model hub. A GPU node with network needs none of them.
 MACHINE_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
@@ -65,28 +69,43 @@ def cloud(tmp_path, monkeypatch):
         wheel = cloud_sim.build_wheel(tmp_path / "wheel")
         deps = cloud_sim.dependency_dir(tmp_path / "machine-dependencies")
         pip_env = {"PIP_INDEX_URL": MIRROR.as_uri()} if MIRROR.is_dir() else {}
+        ray_port, ray_client_port = free_port(), free_port()
         for i, address in enumerate(NODES):
             node = cloud_sim.SimulatedNode(i, address, tmp_path / f"node-{i}")
             rendered = cloud_sim.render_cloud_init(
                 {"oolong_package": f"{wheel}[core,orchestration]", "sglang_version": "",
                  "prefect_api_url": api, "work_pool": POOL, "node_index": i,
                  "port_range": PORT_RANGE, "checkpoint_store": store.as_uri(),
-                 "runs_dir": str(node.root / "runs")}, tmp_path / f"console-{i}")
+                 "runs_dir": str(node.root / "runs"), "gpus": GPUS, "ray_head_address": NODES[0],
+                 "ray_port": ray_port, "ray_client_port": ray_client_port},
+                tmp_path / f"console-{i}")
             with cloud_sim.FakeIMDS(address) as imds:
                 # the venv exists once `python3.11 -m venv` ran: the dependency link goes in
                 # before the pip lines (a pre-baked image's packages, in effect)
                 node.boot(rendered, imds.url, pip_env,
                           after_venv=lambda n=node: cloud_sim.link_dependencies(n.venv, deps))
             cloud_sim.console_script(node.venv, "prefect", "prefect.cli", "app")
-            procs.append(node.start_worker(MACHINE_ENV))
+            cloud_sim.console_script(node.venv, "ray", "ray.scripts.scripts", "main")
             nodes.append(node)
+        # The Ray units: node 0 heads the cluster (its unit must be up before the others join:
+        # on a cloud node systemd restarts a unit that found no head yet).
         for node in nodes:
-            wait_for(lambda n=node: "started" in (n.root / "worker.log").read_text().lower(), 120,
+            procs.append(node.start_unit("oolong-ray.service", MACHINE_ENV))
+            wait_for(lambda n=node: "ray runtime started" in (
+                n.root / "oolong-ray.log").read_text().lower(), 120, f"Ray on node-{node.index}")
+        for node in nodes:
+            procs.append(node.start_worker(MACHINE_ENV))
+        for node in nodes:
+            wait_for(lambda n=node: "started" in (
+                n.root / "oolong-prefect-worker.log").read_text().lower(), 120,
                      f"the worker of node-{node.index}")
         monkeypatch.setenv("PREFECT_API_URL", api)
+        # the run module's ray_address output (Ray Client on node 0), as the provider reads it
+        monkeypatch.setenv("OOLONG_RAY_ADDRESS", f"ray://{NODES[0]}:{ray_client_port}")
         monkeypatch.setenv("OOLONG_STATIC_NODES", ",".join(NODES))
         monkeypatch.setenv("OOLONG_NODE_POOL", POOL)
-        yield {"api": api, "nodes": nodes, "procs": procs, "store": store, "wheel": wheel}
+        yield {"api": api, "nodes": nodes, "procs": procs, "store": store, "wheel": wheel,
+               "workers": procs[-len(nodes):]}
     finally:
         for worker in procs[1:]:  # a failed test may leave flow runs below a node's worker
             for pid in cloud_sim.descendants(worker.pid):
@@ -147,13 +166,14 @@ def test_a_run_on_two_nodes_booted_from_terraforms_cloud_init(cloud, stack, admi
     run_id = create_run(admin, "simulated-cloud", trainer={"steps": steps, "batch_groups": 2},
                         checkpoint={"every": 2, "keep": 2}, rollout={"num_servers": 1},
                         orchestration={"provider": "static",
-                                       "placement": {"trainer_nodes": 2, "server_nodes": [1]}})
+                                       "placement": {"trainer_nodes": 2, "server_nodes": [1],
+                                                     "trainer_gpus_per_node": 1}})
     run_dirs = [n.root / "runs" / "flows" / f"run-{run_id}" for n in nodes]
     wait_for(lambda: all((d / "logs" / "trainer.log").exists() for d in run_dirs), 600,
              "a trainer on each node")
     # Every process below each node's worker: the flow runs and what they started.
     seen = []
-    for node, worker in zip(nodes, cloud["procs"][1:], strict=True):
+    for node, worker in zip(nodes, cloud["workers"], strict=True):
         views = [v for pid in cloud_sim.descendants(worker.pid)
                  if (v := cloud_sim.process_view(pid)) is not None]
         assert any("prefect.engine" in v["cmdline"] for v in views), views
@@ -179,12 +199,29 @@ def test_a_run_on_two_nodes_booted_from_terraforms_cloud_init(cloud, stack, admi
     logs = [{p.name for p in (d / "logs").glob("*.log")} for d in run_dirs]
     assert "trainer.log" in logs[0] and "trainer.log" in logs[1], logs
     assert "rollout-server-0.log" in logs[1] and "rollout-server-0.log" not in logs[0], logs
-    assert [m for k, m in events if k == "placement"] == [
-        "placement plan: trainer node 0 on node-0: 1 rank(s); trainer node 1 on node-1: "
-        "1 rank(s); rollout server 0 on node-1"]
+    # Ray placed it (its cluster joined by the nodes' oolong-ray units): the trainer nodes on
+    # distinct nodes, in an order Ray chose; the server on server_nodes=[1].
+    placements = RunEvent.objects.filter(run_id=run_id, kind="placement")
+    assert len(placements) == 1 and placements[0].message.startswith(
+        f"placement plan (by Ray at {os.environ['OOLONG_RAY_ADDRESS']}): "), placements
+    plan = placements[0].data["plan"]
+    assert sorted(t["node"] for t in plan["trainers"]) == ["node-0", "node-1"], plan
+    assert [s["node"] for s in plan["servers"]] == ["node-1"], plan
+    # Every process got the GPUs of its bundle, and no two processes on a node share one.
+    owned = {t["node"]: {"trainer": t["gpus"]} for t in plan["trainers"]}
+    owned["node-1"]["server"] = plan["servers"][0]["gpus"]
+    assert set(owned["node-1"]["trainer"]).isdisjoint(owned["node-1"]["server"]), owned
+    for node, views in zip(nodes, seen, strict=True):
+        want = owned[f"node-{node.index}"]
+        for v in views:
+            role = ("server" if "embedded_server" in v["cmdline"] else
+                    "trainer" if "training_core.cli" in v["cmdline"] else None)
+            if role:
+                assert v["gpus"] == ",".join(map(str, want[role])), (node.index, role, v)
+        assert any("training_core.cli" in v["cmdline"] for v in views), views
     # The durable store received the run's checkpoints.
     assert any((cloud["store"] / f"run-{run_id}" / "checkpoints").glob("step*/COMPLETE"))
     wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")
-    for worker in cloud["procs"][1:]:
+    for worker in cloud["workers"]:
         wait_for(lambda w=worker: not cloud_sim.descendants(w.pid), 60,
                  "the nodes' flow runs to exit")

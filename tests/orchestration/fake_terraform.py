@@ -77,6 +77,7 @@ def main(argv):
             "private_addresses": {"sensitive": False, "type": ["list", "string"], "value": ["127.0.0.1"] * n},
             "gpus_per_node": {"sensitive": False, "type": "number", "value": 0},
             "ssh_user": {"sensitive": False, "type": "string", "value": "ubuntu"},
+            "ray_address": {"sensitive": False, "type": "string", "value": "ray://127.0.0.1:10001"},
         }
         save(resources, outputs)
         print(f"Apply complete! Resources: {len(resources)} added, 0 changed, 0 destroyed.")

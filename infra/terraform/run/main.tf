@@ -17,7 +17,13 @@ module "pool" {
   checkpoint_prefix   = var.checkpoint_prefix
   checkpoint_run_key  = "run-${var.run_id}"
   ssh_allowed_cidrs   = var.ssh_allowed_cidrs
-  tags                = { "oolong:run" = tostring(var.run_id) }
+  # Its own range per run (10.100.0.0/16 .. 10.249.0.0/16): runs peered with the same control
+  # plane at once must not overlap there.
+  vpc_cidr                      = "10.${100 + var.run_id % 150}.0.0/16"
+  control_plane_vpc_id          = var.control_plane_vpc_id
+  control_plane_vpc_cidr        = var.control_plane_vpc_cidr
+  control_plane_route_table_ids = var.control_plane_route_table_ids
+  tags                          = { "oolong:run" = tostring(var.run_id) }
 }
 
 locals {

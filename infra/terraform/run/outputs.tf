@@ -17,3 +17,8 @@ output "ssh_user" {
   description = "Login user on the nodes."
   value       = module.pool.ssh_user
 }
+
+output "ray_address" {
+  description = "The run's Ray cluster (placement of every process on the GPUs), for the training-run flow."
+  value       = module.pool.ray_address
+}

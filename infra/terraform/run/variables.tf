@@ -52,6 +52,24 @@ variable "control_plane_cidrs" {
   default     = []
 }
 
+variable "control_plane_vpc_id" {
+  type        = string
+  description = "The control plane's VPC, peered with the run's (empty: no peering)."
+  default     = ""
+}
+
+variable "control_plane_vpc_cidr" {
+  type        = string
+  description = "The control plane VPC's address range (outside 10.100.0.0-10.249.255.255, the runs' own)."
+  default     = ""
+}
+
+variable "control_plane_route_table_ids" {
+  type        = list(string)
+  description = "The control plane's route tables that get a route to the run's VPC."
+  default     = []
+}
+
 variable "ssh_allowed_cidrs" {
   type        = list(string)
   description = "Operator networks allowed on SSH."

@@ -103,13 +103,15 @@ def _run_until_exit(proc: ManagedProcess, what: str) -> None:
 
 @flow(name="rollout-server")
 def rollout_server(run_id: int, tracker_url: str, ingest_token: str, index: int,
-                   gpus: list[int] | None = None, health_timeout_s: float = 300.0) -> None:
+                   gpus: list[int] | None = None, health_timeout_s: float = 300.0,
+                   port: int | None = None) -> None:
     """Rollout server ``index`` on the GPUs the placement plan gave it (``gpus``, this node's
-    indices; none on a node without GPUs)."""
+    indices; none on a node without GPUs); ``port``: the one a replaced server had (the trainer
+    knows its URL), else any free one of the node's range."""
     logger = get_run_logger()
     run_dir = flow_run_dir(run_id)
     spec, _ = prepare_node_run(tracker_url, ingest_token, run_dir)
-    host, port = node_address(), free_port()
+    host, port = node_address(), port or free_port()
     url = f"http://{host}:{port}"
     cmd = server_command(spec, str(run_model_dir(spec, run_dir)), port, index, host=host,
                          parent_pid=os.getpid())

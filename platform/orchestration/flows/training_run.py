@@ -27,6 +27,7 @@ from orchestration.placed import PlacedRun, node_pool, online_nodes, wait_nodes_
 from orchestration.placement import Placement, PlacementError, plan, shared_plan
 from orchestration.providers import NodeInventory, get_provider
 from orchestration.providers.base import node_queue
+from orchestration.ray_placement import PlacementCancelled, Reservation, ray_address, reserve
 from orchestration.supervise import Outcome, supervise
 from orchestration.tracker import Tracker
 from orchestration.trigger import flow_run_dir, sweep_dir
@@ -120,6 +121,26 @@ def load_current_weights(run_dir: Path, url: str) -> None:
     asyncio.run(load())
 
 
+def place_on_nodes(spec: RunSpec, inventory: NodeInventory, run_id: int,
+                   available: list[int] | None = None,
+                   cancelled=lambda: False) -> tuple[Placement, Reservation | None, str]:
+    """Where each process of a run across nodes goes, and by whom: Ray's placement groups when
+    the run has a Ray cluster (Terraform's, or ``$OOLONG_RAY_ADDRESS``); without one, only
+    nodes without GPUs (nothing per GPU to place: the built-in plan spreads the processes)."""
+    address = ray_address(inventory)
+    if address:
+        held = reserve(spec, inventory, address, available=available, name=f"oolong-run-{run_id}",
+                       timeout_s=spec.orchestration.nodes_online_timeout_s, cancelled=cancelled)
+        return held.placement, held, f"by Ray at {address}"
+    if any(node.gpus for node in inventory.nodes):
+        raise PlacementError(
+            "GPU nodes are placed by Ray, and this run has no Ray cluster: start one (ray start "
+            "--head on the control machine, ray start --address <head> --num-gpus <n> --labels "
+            "oolong-node=node-<i> on each node) and set OOLONG_RAY_ADDRESS for the flow's worker "
+            "(docs/clusters.md)")
+    return plan(spec, inventory, available=available), None, "built-in, nodes without GPUs"
+
+
 def run_placed(placed: PlacedRun, tracker: Tracker, *, resume: bool = False) -> Outcome:
     """The run across nodes: once the nodes' workers are online, servers on theirs, then one
     trainer launcher per trainer node. A lost node or process is recovered automatically: the
@@ -130,14 +151,11 @@ def run_placed(placed: PlacedRun, tracker: Tracker, *, resume: bool = False) -> 
     if spec.rollout.server_urls:
         raise ValueError("rollout.server_urls: a placed run starts its own servers")
 
-    def cancelled() -> bool:
-        return bool(tracker.run_info().get("cancel_requested"))
-
     needed = sorted(set(placed.placement.trainer_nodes + placed.placement.server_nodes))
     tracker.event("nodes", f"waiting for the workers of {', '.join(map(node_queue, needed))} in "
                            f"pool {placed.pool} (at most {orch.nodes_online_timeout_s:.0f}s)")
     if not wait_nodes_online(placed.pool, needed, timeout_s=orch.nodes_online_timeout_s,
-                             fresh_s=orch.worker_lost_after_s, cancelled=cancelled):
+                             fresh_s=orch.worker_lost_after_s, cancelled=tracker.cancel_requested):
         return Outcome("cancelled", "cancelled by user")
     deploy_node_flows(placed.pool)  # into the pool the nodes' workers created
     if spec.model.warm_start_seconds > 0:
@@ -145,7 +163,7 @@ def run_placed(placed: PlacedRun, tracker: Tracker, *, resume: bool = False) -> 
         tracker.event("warm_start", f"supervised warm start for at most "
                                     f"{spec.model.warm_start_seconds:.0f}s on {node}; every node "
                                     "fetches the model from the durable store")
-        if not placed.warm_start(cancelled):
+        if not placed.warm_start(tracker.cancel_requested):
             return Outcome("cancelled", "cancelled by user")
     restarts = 0
     lost: set[int] = set()
@@ -159,15 +177,19 @@ def run_placed(placed: PlacedRun, tracker: Tracker, *, resume: bool = False) -> 
         left = placed.stop()
         online = [i for i in online_nodes(placed.pool, len(placed.inventory.nodes),
                                           orch.worker_lost_after_s) if i not in lost]
-        placement = plan(spec, placed.inventory, available=online)
+        try:
+            placement, held, how = place_on_nodes(spec, placed.inventory, placed.run_id,
+                                                  available=online, cancelled=tracker.cancel_requested)
+        except PlacementCancelled:
+            return Outcome("cancelled", "cancelled by user")
+        placed.reset(placement, held)  # the run owns the new hold from here on (stop releases it)
         tracker.event("recovery", f"{outcome.reason.splitlines()[0]}; resuming from the durable "
                                   f"store on {', '.join(map(node_queue, online))} (recovery "
                                   f"{restarts}/{orch.max_restarts})" + (
                                       f"; not stopped in time: {left}" if left else ""),
                       lost=[node_queue(n) for n in sorted(lost)])
-        tracker.event("placement", "placement plan: " + "; ".join(placement.describe()),
+        tracker.event("placement", f"placement plan ({how}): " + "; ".join(placement.describe()),
                       plan=placement.as_dict())
-        placed.reset(placement)
         resume = True
 
 
@@ -205,20 +227,27 @@ def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str
         tracker.event("flow", f"flow started ({how}); run directory {run_dir}")
         inventory = provision_nodes(provider, run_id, info["spec"])
         spec, spec_path = prepare_run(tracker_url, ingest_token, run_dir)
+        if len(inventory.nodes) > 1:  # every process on a node's work queue
+            # refused here, before any process, if it cannot fit
+            try:
+                placement, held, how = place_on_nodes(spec, inventory, run_id,
+                                                      cancelled=tracker.cancel_requested)
+            except PlacementCancelled:
+                outcome = Outcome("cancelled", "cancelled by user")
+                return outcome.status
+            placed = PlacedRun(run_id, tracker_url, ingest_token, spec, inventory,
+                               placement, node_pool(run_id, inventory), reservation=held)
+            tracker.event("placement", f"placement plan ({how}): "
+                                       + "; ".join(placement.describe()), plan=placement.as_dict())
+            outcome = run_placed(placed, tracker, resume=resume)
+            return outcome.status
         try:  # refused here, before any process, if it cannot fit
             placement = plan(spec, inventory)
         except PlacementError as exc:
-            if len(inventory.nodes) > 1:
-                raise
             placement = shared_plan(spec, inventory)  # one machine: its GPUs are shared
             tracker.event("placement", f"GPUs shared by the trainer and the servers ({exc})")
         tracker.event("placement", "placement plan: " + "; ".join(placement.describe()),
                       plan=placement.as_dict())
-        if len(inventory.nodes) > 1:  # every process on a node's work queue
-            placed = PlacedRun(run_id, tracker_url, ingest_token, spec, inventory,
-                               placement, node_pool(run_id, inventory))
-            outcome = run_placed(placed, tracker, resume=resume)
-            return outcome.status
         sweep = info.get("sweep") or {}
         share = sweep_dir(sweep["id"]) if sweep.get("share_warm_start") else None
         if spec.model.warm_start_seconds > 0:
@@ -250,7 +279,10 @@ def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str
         raise
     finally:
         if placed is not None:
-            left = placed.stop()
+            try:  # whatever happens here, the nodes are released below
+                left = placed.stop()
+            except Exception as exc:  # noqa: BLE001 - e.g. Prefect's API gone
+                left = [f"the placed processes ({type(exc).__name__}: {exc})"]
             if left:
                 outcome = Outcome("failed", f"{outcome.reason}; not stopped in time: {left}")
         tear_down(procs)

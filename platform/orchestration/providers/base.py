@@ -9,6 +9,12 @@ def node_queue(index: int) -> str:
     return f"node-{index}"
 
 
+def node_index(queue: str) -> int | None:
+    """The node a queue name (or a Ray node's oolong-node label) names; None for any other."""
+    prefix, _, number = queue.partition("-")
+    return int(number) if prefix == "node" and number.isdecimal() else None
+
+
 @dataclass(frozen=True)
 class Node:
     address: str

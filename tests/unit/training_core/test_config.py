@@ -1,6 +1,13 @@
 import pytest
 
-from training_core.config import RunSpec, SpecError, dump_spec, load_spec, parse_overrides
+from training_core.config import (
+    RunSpec,
+    SpecError,
+    dump_spec,
+    load_spec,
+    parse_overrides,
+    spec_from_dict,
+)
 
 
 def test_defaults_are_valid():
@@ -79,6 +86,30 @@ def test_config_checks_from_the_engine_review():
     spec = load_spec(None, ["rollout.max_staleness=3"])
     assert spec.rollout.max_token_staleness is None and spec.rollout.token_staleness_bound == 3
     assert load_spec(None, ["rollout.max_token_staleness=5"]).rollout.token_staleness_bound == 5
+
+
+def test_vpc_peering_vars_are_checked_and_name_their_field():
+    def errors(**tf) -> dict:
+        base = {"region": "us-east-1", "availability_zone": "us-east-1a",
+                "instance_type": "p5.48xlarge", "node_count": 2,
+                "prefect_api_url": "http://10.0.0.5:4200/api"}
+        try:
+            spec_from_dict({"orchestration": {"provider": "terraform",
+                                              "terraform_vars": {**base, **tf}}})
+        except SpecError as exc:
+            return exc.errors
+        return {}
+
+    field = "orchestration.terraform_vars."
+    peered = {"control_plane_vpc_id": "vpc-0123456789abcdef0"}
+    assert errors(**peered, control_plane_vpc_cidr="10.0.0.0/16",
+                  control_plane_route_table_ids=["rtb-0123456789abcdef0"]) == {}
+    assert list(errors(**peered)) == [field + "control_plane_vpc_cidr"]  # routed: needed
+    assert "overlaps the runs' own VPCs" in errors(
+        **peered, control_plane_vpc_cidr="10.120.0.0/16")[field + "control_plane_vpc_cidr"]
+    assert field + "control_plane_vpc_id" in errors(control_plane_vpc_id="vpc-$(reboot)")
+    assert field + "control_plane_route_table_ids.0" in errors(
+        **peered, control_plane_vpc_cidr="10.0.0.0/16", control_plane_route_table_ids=["x; y"])
 
 
 def test_terraform_vars_are_typed_and_cannot_inject_into_cloud_init():

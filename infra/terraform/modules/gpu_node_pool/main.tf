@@ -11,6 +11,14 @@ locals {
   store_root   = trim(var.checkpoint_prefix, "/")
   store_prefix = join("/", compact([local.store_root, var.checkpoint_run_key]))
   store_url    = var.checkpoint_bucket != "" ? "s3://${join("/", compact([var.checkpoint_bucket, local.store_root]))}" : ""
+  # Node 0 heads the run's Ray cluster (placement of every process on the GPUs): a fixed private
+  # address, so the other nodes' cloud-init can name it before it exists.
+  ray_head_ip = cidrhost(aws_subnet.pool.cidr_block, 10)
+  # Peered with the control plane's VPC: the flow reaches the nodes at their private addresses
+  # (the ones the servers announce, OOLONG_NODE_ADDRESS), and that VPC is one of the CIDRs the
+  # security group opens to the control plane.
+  peered        = var.control_plane_vpc_id != ""
+  control_cidrs = distinct(concat(var.control_plane_cidrs, local.peered ? [var.control_plane_vpc_cidr] : []))
 }
 
 data "aws_ami" "deep_learning" {
@@ -113,11 +121,38 @@ resource "aws_internet_gateway" "pool" {
 
 resource "aws_route_table" "pool" {
   vpc_id = aws_vpc.pool.id
-  route {
-    cidr_block = "0.0.0.0/0"
-    gateway_id = aws_internet_gateway.pool.id
-  }
-  tags = local.tags
+  tags   = local.tags
+}
+
+# Routes as resources of their own (none inline): the peering's sits beside the internet's.
+resource "aws_route" "internet" {
+  route_table_id         = aws_route_table.pool.id
+  destination_cidr_block = "0.0.0.0/0"
+  gateway_id             = aws_internet_gateway.pool.id
+}
+
+resource "aws_route" "pool_to_control_plane" {
+  count                     = local.peered ? 1 : 0
+  route_table_id            = aws_route_table.pool.id
+  destination_cidr_block    = var.control_plane_vpc_cidr
+  vpc_peering_connection_id = aws_vpc_peering_connection.control_plane[0].id
+}
+
+# The run's VPC peered with the control plane's (same account and region: accepted here), and
+# the way back from the control plane's route tables.
+resource "aws_vpc_peering_connection" "control_plane" {
+  count       = local.peered ? 1 : 0
+  vpc_id      = aws_vpc.pool.id
+  peer_vpc_id = var.control_plane_vpc_id
+  auto_accept = true
+  tags        = merge(local.tags, { Name = "${var.name}-to-control-plane" })
+}
+
+resource "aws_route" "control_plane_to_pool" {
+  count                     = local.peered ? length(var.control_plane_route_table_ids) : 0
+  route_table_id            = var.control_plane_route_table_ids[count.index]
+  destination_cidr_block    = aws_vpc.pool.cidr_block
+  vpc_peering_connection_id = aws_vpc_peering_connection.control_plane[0].id
 }
 
 resource "aws_route_table_association" "pool" {
@@ -126,7 +161,7 @@ resource "aws_route_table_association" "pool" {
 }
 
 # Only what the fleet needs: all traffic between pool members (NCCL, rollout HTTP, the trainer's
-# rendezvous), the server port range from the control plane, SSH from the given CIDRs, and egress
+# rendezvous, Ray), the server port range and the head's Ray Client port from the control plane, SSH from the given CIDRs, and egress
 # for packages (443, 80) and to the Prefect API on the control plane.
 resource "aws_security_group" "pool" {
   name        = "${var.name}-nodes"
@@ -143,12 +178,22 @@ resource "aws_vpc_security_group_ingress_rule" "intra_pool" {
 }
 
 resource "aws_vpc_security_group_ingress_rule" "servers_from_control_plane" {
-  for_each          = toset(var.control_plane_cidrs)
+  for_each          = toset(local.control_cidrs)
   security_group_id = aws_security_group.pool.id
   description       = "Rollout servers and the trainer (the server port range) from the control plane"
   cidr_ipv4         = each.value
   from_port         = var.server_port_range.from
   to_port           = var.server_port_range.to
+  ip_protocol       = "tcp"
+}
+
+resource "aws_vpc_security_group_ingress_rule" "ray_client_from_control_plane" {
+  for_each          = toset(local.control_cidrs)
+  security_group_id = aws_security_group.pool.id
+  description       = "Ray Client on the head node (the training-run flow places the run through it)"
+  cidr_ipv4         = each.value
+  from_port         = var.ray_client_port
+  to_port           = var.ray_client_port
   ip_protocol       = "tcp"
 }
 
@@ -181,7 +226,7 @@ resource "aws_vpc_security_group_egress_rule" "http" {
 }
 
 resource "aws_vpc_security_group_egress_rule" "prefect_api" {
-  for_each          = toset(var.control_plane_cidrs)
+  for_each          = toset(local.control_cidrs)
   security_group_id = aws_security_group.pool.id
   description       = "The Prefect API on the control plane (the node's worker)"
   cidr_ipv4         = each.value
@@ -253,6 +298,7 @@ resource "aws_instance" "node" {
   ami                         = var.ami_id != "" ? var.ami_id : data.aws_ami.deep_learning[0].id
   instance_type               = var.instance_type
   subnet_id                   = aws_subnet.pool.id
+  private_ip                  = count.index == 0 ? local.ray_head_ip : null
   vpc_security_group_ids      = [aws_security_group.pool.id]
   placement_group             = aws_placement_group.pool.id
   key_name                    = var.ssh_key_name != "" ? var.ssh_key_name : null
@@ -290,6 +336,10 @@ resource "aws_instance" "node" {
     prefect_api_url  = var.prefect_api_url
     work_pool        = var.work_pool
     node_index       = count.index
+    gpus             = local.gpus
+    ray_head_address = local.ray_head_ip
+    ray_port         = var.ray_port
+    ray_client_port  = var.ray_client_port
     port_range       = "${var.server_port_range.from}-${var.server_port_range.to}"
     checkpoint_store = local.store_url
     runs_dir         = "/opt/oolong/runs"

@@ -27,3 +27,8 @@ output "security_group_id" {
   description = "The pool's security group."
   value       = aws_security_group.pool.id
 }
+
+output "ray_address" {
+  description = "The run's Ray cluster as the control plane reaches it (Ray Client on node 0; its private address when peered)."
+  value       = "ray://${local.peered ? local.ray_head_ip : aws_instance.node[0].public_ip}:${var.ray_client_port}"
+}

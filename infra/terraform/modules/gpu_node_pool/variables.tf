@@ -87,6 +87,44 @@ variable "server_port_range" {
   }
 }
 
+variable "control_plane_vpc_id" {
+  type        = string
+  description = "The control plane's VPC: when set, the run's VPC is peered with it and the flow reaches the nodes at their private addresses. Empty = no peering (the control plane must then reach the nodes' private addresses some other way)."
+  default     = ""
+}
+
+variable "control_plane_vpc_cidr" {
+  type        = string
+  description = "Address range of the control plane's VPC (routed through the peering; must not overlap vpc_cidr)."
+  default     = ""
+  validation {
+    condition     = var.control_plane_vpc_cidr == "" || can(cidrhost(var.control_plane_vpc_cidr, 0))
+    error_message = "control_plane_vpc_cidr must be a CIDR such as 10.0.0.0/16."
+  }
+}
+
+variable "control_plane_route_table_ids" {
+  type        = list(string)
+  description = "The control plane's route tables that get a route to this run's VPC through the peering."
+  default     = []
+}
+
+variable "ray_port" {
+  type        = number
+  description = "Port of the run's Ray cluster on its head (node 0); the other nodes join there."
+  default     = 6379
+}
+
+variable "ray_client_port" {
+  type        = number
+  description = "Ray Client port on the head node: the control plane's training-run flow places the run through it (opened to control_plane_cidrs only)."
+  default     = 10001
+  validation {
+    condition     = var.ray_client_port >= 1024 && var.ray_client_port <= 65535 && (var.ray_client_port < 10002 || var.ray_client_port > 19999)
+    error_message = "ray_client_port must be 1024..65535 and outside Ray's worker ports (10002-19999)."
+  }
+}
+
 variable "prefect_api_port" {
   type        = number
   description = "Port of the Prefect API on the control plane (the nodes' workers connect to it)."
