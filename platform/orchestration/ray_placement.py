@@ -95,7 +95,7 @@ def connect(address: str) -> None:
              logging_level="ERROR", configure_logging=False)
 
 
-def ray_nodes(inventory: NodeInventory, wanted: list[int], *, timeout_s: float,
+def ray_nodes(wanted: list[int], *, timeout_s: float,
               cancelled: Callable[[], bool] = lambda: False,
               poll_s: float = 1.0) -> dict[int, dict]:
     """The Ray node of each of the run's nodes in ``wanted`` (by its ``oolong-node`` label),
@@ -130,7 +130,7 @@ def reserve(spec: RunSpec, inventory: NodeInventory, address: str, *, timeout_s:
     deadline = time.monotonic() + timeout_s
     if available is None:
         wanted = list(range(len(inventory.nodes)))
-        joined = ray_nodes(inventory, wanted, timeout_s=timeout_s, cancelled=cancelled)
+        joined = ray_nodes(wanted, timeout_s=timeout_s, cancelled=cancelled)
     else:  # a recovery: the nodes online both to Prefect and to Ray now, nobody waited for
         alive = _alive()
         wanted = [i for i in available if i in alive]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,7 +124,8 @@ def load_current_weights(run_dir: Path, url: str) -> None:
 
 def place_on_nodes(spec: RunSpec, inventory: NodeInventory, run_id: int,
                    available: list[int] | None = None,
-                   cancelled=lambda: False) -> tuple[Placement, Reservation | None, str]:
+                   cancelled: Callable[[], bool] = lambda: False,
+                   ) -> tuple[Placement, Reservation | None, str]:
     """Where each process of a run across nodes goes, and by whom: Ray's placement groups when
     the run has a Ray cluster (Terraform's, or ``$OOLONG_RAY_ADDRESS``); without one, only
     nodes without GPUs (nothing per GPU to place: the built-in plan spreads the processes)."""
@@ -139,6 +141,12 @@ def place_on_nodes(spec: RunSpec, inventory: NodeInventory, run_id: int,
             "oolong-node=node-<i> on each node) and set OOLONG_RAY_ADDRESS for the flow's worker "
             "(docs/clusters.md)")
     return plan(spec, inventory, available=available), None, "built-in, nodes without GPUs"
+
+
+def placement_event(tracker: Tracker, placement: Placement, how: str = "") -> None:
+    """The plan every attempt starts from, on the run's event log (the dashboard's placement)."""
+    tracker.event("placement", f"placement plan{f' ({how})' if how else ''}: "
+                               + "; ".join(placement.describe()), plan=placement.as_dict())
 
 
 def run_placed(placed: PlacedRun, tracker: Tracker, *, resume: bool = False) -> Outcome:
@@ -188,8 +196,7 @@ def run_placed(placed: PlacedRun, tracker: Tracker, *, resume: bool = False) -> 
                                   f"{restarts}/{orch.max_restarts})" + (
                                       f"; not stopped in time: {left}" if left else ""),
                       lost=[node_queue(n) for n in sorted(lost)])
-        tracker.event("placement", f"placement plan ({how}): " + "; ".join(placement.describe()),
-                      plan=placement.as_dict())
+        placement_event(tracker, placement, how)
         resume = True
 
 
@@ -237,8 +244,7 @@ def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str
                 return outcome.status
             placed = PlacedRun(run_id, tracker_url, ingest_token, spec, inventory,
                                placement, node_pool(run_id, inventory), reservation=held)
-            tracker.event("placement", f"placement plan ({how}): "
-                                       + "; ".join(placement.describe()), plan=placement.as_dict())
+            placement_event(tracker, placement, how)
             outcome = run_placed(placed, tracker, resume=resume)
             return outcome.status
         try:  # refused here, before any process, if it cannot fit
@@ -246,8 +252,7 @@ def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str
         except PlacementError as exc:
             placement = shared_plan(spec, inventory)  # one machine: its GPUs are shared
             tracker.event("placement", f"GPUs shared by the trainer and the servers ({exc})")
-        tracker.event("placement", "placement plan: " + "; ".join(placement.describe()),
-                      plan=placement.as_dict())
+        placement_event(tracker, placement)
         sweep = info.get("sweep") or {}
         share = sweep_dir(sweep["id"]) if sweep.get("share_warm_start") else None
         if spec.model.warm_start_seconds > 0:
