@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from training_core.engines import cpu_kernels
 from training_core.engines.packed_linear import PACK_ROWS_HINT, PackedLinear
 from training_core.engines.slot_cache import SlotCache, attention
 
@@ -65,6 +66,9 @@ class FusedDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.hidden = cfg.hidden_size
         self._qkv: list[torch.Tensor] = []
+        # cpu_kernels' decode attention where it is built; None: slot_cache's (torch's matmuls)
+        self._attend = cpu_kernels.decode_attention(self.head_dim,
+                                                    next(model.parameters()).device)
         self.refresh()
 
     def refresh(self) -> None:
@@ -87,16 +91,24 @@ class FusedDecoder:
         half = dim // 2
         # rotate_half(x) * sin == roll(x, half) * sin' with the first half of sin negated
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        if self._attend is not None:  # the mask as the kernel's bias, once for every layer
+            bias = torch.zeros(mask.shape[0], mask.shape[-1], dtype=torch.float32)
+            bias.masked_fill_(~mask.view(b, -1), float("-inf"))
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
             x = self._norm(h, layer.input_layernorm)
             qkv = _linear(x, self._qkv[i], None, "none", [], "").view(b, heads + 2 * kv, dim)
             qk = qkv[:, : heads + kv]
             qk = qk * cos + torch.roll(qk, half, dims=-1) * sin
-            keys, values = slots.update(qk[:, heads:].unsqueeze(2),
-                                        qkv[:, heads + kv:].unsqueeze(2), i)
-            out, _ = attention(attn, qk[:, :heads].unsqueeze(2), keys, values, mask,
-                               scaling=attn.scaling)
+            if self._attend is not None:  # writes the step's key and value itself
+                keys_t, values, column = slots.decode_buffers(i)
+                out = self._attend(qk[:, :heads], qk[:, heads:], qkv[:, heads + kv:], keys_t,
+                                   values, bias, column, attn.scaling)
+            else:
+                keys, values = slots.update(qk[:, heads:].unsqueeze(2),
+                                            qkv[:, heads + kv:].unsqueeze(2), i)
+                out, _ = attention(attn, qk[:, :heads].unsqueeze(2), keys, values, mask,
+                                   scaling=attn.scaling)
             h = _linear.binary(out.reshape(b, heads * dim), h, attn.o_proj._packed, None, "add")
             x = self._norm(h, layer.post_attention_layernorm)
             gate = _linear(x, mlp.gate_proj._packed, None, "swish", [], "")

@@ -8,7 +8,7 @@ of the engine on the demo task, cat + index_select took 0.32 s against 0.25 s of
 ``linear``. Here a decode step writes one column in place; a joining row is written once into
 its slot; a finished row's slot is refilled by moving the last row into it.
 
-Layout: ``keys[layer, row, head, column, dim]``. Rows ``[0, size)`` are the running batch. All
+Layout: ``keys[layer, row, head, column, dim]`` (stored transposed, see ``_allocate``). Rows ``[0, size)`` are the running batch. All
 rows share the column window ``[lo, hi)``, left-padded (``valid`` marks real tokens); a decode
 step writes column ``hi``. Columns left of ``lo`` are headroom for a joining sequence longer
 than the window.
@@ -36,6 +36,7 @@ LEFT_HEADROOM = 32  # columns kept free left of a new window, for longer joiners
 # Nodes per row of a prefill forest: attention over a row costs its width squared, the linear
 # layers its node count, so rows of a few hundred nodes keep attention a small share.
 PREFILL_ROW_NODES = 256
+FULL_WIDTH_STEP = 32  # columns a full-width buffer grows by, at least (see SlotCache._room)
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -98,6 +99,16 @@ class SlotCache:
         return (self.keys[layer_idx, :n, :, self.lo: self.hi + q],
                 self.values[layer_idx, :n, :, self.lo: self.hi + q])
 
+    def decode_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """For a kernel that writes the step's key and value itself (cpu_kernels): the layer's
+        keys, transposed, [size, Hkv, D, L] and values [size, Hkv, L, D] over the decode mask's
+        columns, and the column in them that the step writes."""
+        n = self.size
+        if self.full_width:
+            return self.keys[layer_idx, :n].transpose(-1, -2), self.values[layer_idx, :n], self.hi
+        return (self.keys[layer_idx, :n, :, self.lo: self.hi + 1].transpose(-1, -2),
+                self.values[layer_idx, :n, :, self.lo: self.hi + 1], self.hi - self.lo)
+
     # ---- the engine's side ---------------------------------------------------------------------
 
     def decode_mask(self) -> torch.Tensor:
@@ -125,7 +136,7 @@ class SlotCache:
         [U, P]) and which prefilled sequence each new row copies (``owner``)."""
         k, width = len(owner), mask.shape[1]
         if self.size == 0:
-            self.lo = self.hi = LEFT_HEADROOM + width
+            self.lo = self.hi = (0 if self.full_width else LEFT_HEADROOM) + width
         self._room(left=width, right=1, rows=self.size + k)
         rows = slice(self.size, self.size + k)
         start = self.hi - width
@@ -180,30 +191,45 @@ class SlotCache:
         # cost a page fault and a write per 4 KiB of capacity, most of it never used: a growth
         # to 256 rows x 256 columns (2 x 134 MB, the long-tail benchmark's size) stalled the
         # engine 107 ms, 18 ms uninitialised.
+        # Keys are stored transposed, [layer, row, head, dim, column], and seen through a
+        # transposed view: one row's columns of a dimension are contiguous, which is what
+        # q . K^T reads (cpu_kernels' attention as a broadcast times a vector, torch's as a
+        # plain product, also over a window of the buffer).
         layers, heads, dim = self.shape
-        shape = (layers, rows, heads, cols, dim)
         make = torch.zeros if self.full_width else _uninitialized
-        self.keys = make(shape, dtype=self.dtype, device=self.device)
-        self.values = make(shape, dtype=self.dtype, device=self.device)
+        self.keys = make((layers, rows, heads, dim, cols), dtype=self.dtype,
+                         device=self.device).transpose(-1, -2)
+        self.values = make((layers, rows, heads, cols, dim), dtype=self.dtype, device=self.device)
         self.valid = torch.zeros(rows, cols, dtype=torch.bool, device=self.device)
 
     def _room(self, *, left: int, right: int, rows: int = 0) -> None:
         """Make sure ``left`` columns fit before ``hi``, ``right`` from ``hi`` on, and ``rows``
         rows: move the window (and grow the buffers) when they do not."""
         cap_rows, cap_cols = self.valid.shape
-        need_left = max(0, left - self.hi)
-        if rows <= cap_rows and need_left == 0 and self.hi + right <= cap_cols:
-            return
         span = self.hi - self.lo
-        new_lo = max(LEFT_HEADROOM, left - span + LEFT_HEADROOM)
-        need_cols = new_lo + span + max(right, 64)
+        fits = rows <= cap_rows and left <= self.hi and self.hi + right <= cap_cols
+        if self.full_width:
+            # Every column costs attention at every step, so the buffers hold the window and a
+            # few steps more: a reallocation copies the cache once per FULL_WIDTH_STEP columns
+            # (SmolLM2, 64 rows, 200 columns: 295 MB, ~15 ms every 32 steps), where a wider
+            # buffer cost more at every step (q.K^T at 64 rows over 320 columns 298 us, over 128
+            # 88 us). Columns the window left behind (its rows finished) are dropped the same way.
+            new_lo = max(0, left - span)
+            need_cols = new_lo + span + right
+            step = max(FULL_WIDTH_STEP, need_cols // 8)
+            if fits and cap_cols - need_cols < 2 * step:
+                return
+            grow, cols = True, -(-need_cols // step) * step
+        else:
+            if fits:
+                return
+            new_lo = max(LEFT_HEADROOM, left - span + LEFT_HEADROOM)
+            need_cols = new_lo + span + max(right, 64)
+            grow = rows > cap_rows or need_cols > cap_cols
+            cols = max(need_cols, cap_cols * 2 if need_cols > cap_cols else cap_cols)
         keys, values, valid = self.keys, self.values, self.valid
-        if rows > cap_rows or need_cols > cap_cols:
-            # full width: every column costs attention, so a quarter more, not twice (still
-            # geometric: a long generation reallocates a logarithmic number of times)
-            grown = cap_cols * 5 // 4 if self.full_width else cap_cols * 2
-            self._allocate(max(rows, cap_rows * (2 if rows > cap_rows else 1)),
-                           max(need_cols, grown if need_cols > cap_cols else cap_cols))
+        if grow:
+            self._allocate(max(rows, cap_rows * (2 if rows > cap_rows else 1)), cols)
         else:  # same buffers: copy the window out first (source and target may overlap)
             keys = keys[:, : self.size, :, self.lo: self.hi].clone()
             values = values[:, : self.size, :, self.lo: self.hi].clone()

@@ -1,0 +1,95 @@
+"""The engine's CPU decode-attention kernel (cpu_kernels.py, kernels/decode_attention.cpp)
+against torch's attention over the same cache: every head size and query group it serves, fp32
+and bf16, rows with left padding and gaps, the cache seen through a window of a wider buffer;
+the step's key and value written at their column and nothing else touched; and the build cache
+keyed by the CPU it was built on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from training_core.engines import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ toolchain to build with")
+
+
+def _reference(q, k_new, v_new, keys, values, bias, column, scale):
+    """torch in fp64 over the cache with the step's key and value written in."""
+    keys, values = keys.clone(), values.clone()
+    keys[:, :, column], values[:, :, column] = k_new, v_new
+    b, heads, dim = q.shape
+    kv = keys.shape[1]
+    scores = torch.einsum("bkgd,bkcd->bkgc", q.double().view(b, kv, heads // kv, dim),
+                          keys.double()) * scale + bias.double().view(b, 1, 1, -1)
+    out = torch.einsum("bkgc,bkcd->bkgd", torch.softmax(scores, -1), values.double())
+    return out.reshape(b, heads, dim), keys, values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dim,heads,kv", [(64, 9, 3), (32, 4, 4), (16, 8, 2), (128, 8, 2),
+                                          (64, 12, 4), (32, 5, 1)])
+@pytest.mark.parametrize("window", [False, True], ids=["full", "window"])
+def test_attention_and_the_cache_write_match_torch(dtype, dim, heads, kv, window):
+    g = torch.Generator().manual_seed(dim * heads + kv)
+    rows, cols = 7, 83  # not a multiple of the kernel's blocks of 16 or 64 columns
+    # The engine's layout: keys stored transposed, values as they are, a wider buffer
+    store_k = torch.randn(rows, kv, dim, cols + 20, generator=g).to(dtype)
+    store_v = torch.randn(rows, kv, cols + 20, dim, generator=g).to(dtype)
+    lo = 11 if window else 0
+    keys_t = store_k[..., lo: lo + cols]  # [rows, kv, dim, cols], strided rows
+    values = store_v[:, :, lo: lo + cols]
+    column = cols - 1
+    valid = torch.zeros(rows, cols, dtype=torch.bool)
+    for r in range(rows):  # left padding of every length, one row with a gap
+        valid[r, r * 9: cols] = True
+    valid[3, 40:45] = False
+    bias = torch.zeros(rows, cols).masked_fill_(~valid, float("-inf"))
+    qkv = torch.randn(rows, heads + 2 * kv, dim, generator=g).to(dtype)
+    q, k_new, v_new = qkv[:, :heads], qkv[:, heads: heads + kv], qkv[:, heads + kv:]
+    want, want_k, want_v = _reference(q, k_new, v_new, keys_t.transpose(-1, -2), values, bias,
+                                      column, dim ** -0.5)
+    before_k, before_v = store_k.clone(), store_v.clone()
+
+    op = cpu_kernels.decode_attention(dim, torch.device("cpu"))
+    got = op(q, k_new, v_new, keys_t, values, bias, column, dim ** -0.5)
+
+    assert got.dtype == dtype and got.shape == (rows, heads, dim)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    # the step's key and value landed at their column, in the buffer, and nothing else moved
+    torch.testing.assert_close(keys_t.transpose(-1, -2), want_k.to(dtype), atol=0, rtol=0)
+    torch.testing.assert_close(values, want_v.to(dtype), atol=0, rtol=0)
+    other = torch.ones(cols + 20, dtype=torch.bool)
+    other[lo + column] = False
+    assert torch.equal(store_k[..., other], before_k[..., other])
+    assert torch.equal(store_v[:, :, other], before_v[:, :, other])
+
+
+def test_bad_shapes_are_refused_with_the_reason():
+    op = cpu_kernels.decode_attention(64, torch.device("cpu"))
+    q = torch.randn(2, 9, 64)
+    kv = torch.randn(2, 3, 64)
+    keys_t, values = torch.randn(2, 3, 64, 10), torch.randn(2, 3, 10, 64)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        op(q, kv, kv, keys_t, values, torch.zeros(2, 11), 9, 0.125)
+    with pytest.raises(RuntimeError, match="column outside the cache"):
+        op(q, kv, kv, keys_t, values, torch.zeros(2, 10), 10, 0.125)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        op(q.bfloat16(), kv, kv, keys_t, values, torch.zeros(2, 10), 9, 0.125)
+
+
+def test_no_kernel_for_other_devices_or_head_sizes_or_when_switched_off(monkeypatch):
+    assert cpu_kernels.decode_attention(48, torch.device("cpu")) is None
+    assert cpu_kernels.decode_attention(64, torch.device("meta")) is None
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)
+    monkeypatch.setenv(cpu_kernels.CPU_KERNELS_ENV, "0")
+    assert cpu_kernels.decode_attention(64, torch.device("cpu")) is None
+
+
+def test_a_build_is_kept_per_cpu(monkeypatch):
+    """A cache copied to a machine with other instructions must not run there (-march=native)."""
+    here = cpu_kernels.build_dir()
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : fpu sse2")
+    assert cpu_kernels.build_dir() != here
+    assert cpu_kernels.build_dir().parent == here.parent
