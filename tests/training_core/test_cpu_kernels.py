@@ -1,8 +1,9 @@
-"""The engine's CPU decode-attention kernel (cpu_kernels.py, kernels/decode_attention.cpp)
-against torch's attention over the same cache: every head size and query group it serves, fp32
-and bf16, rows with left padding and gaps, the cache seen through a window of a wider buffer;
-the step's key and value written at their column and nothing else touched; and the build cache
-keyed by the CPU it was built on."""
+"""The engine's CPU kernels (cpu_kernels.py, kernels/decode_step.cpp) against torch: decode
+attention over the same cache for every head size and query group it serves, fp32 and bf16,
+rows with left padding and gaps, the cache seen through a window of a wider buffer, the rotary
+embedding applied, the step's key and value written at their column and nothing else touched;
+RMSNorm against transformers' LlamaRMSNorm; and the build cache keyed by the CPU it was built
+on."""
 
 from __future__ import annotations
 
@@ -14,10 +15,18 @@ from training_core.engines import cpu_kernels
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ toolchain to build with")
 
 
-def _reference(q, k_new, v_new, keys, values, bias, column, scale):
-    """torch in fp64 over the cache with the step's key and value written in."""
+def _rotate(x, cos, sin):
+    """transformers' rotary embedding: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def _reference(q, k_new, v_new, cos, sin, keys, values, bias, column, scale):
+    """torch in fp64 over the cache with the step's (rotated) key and value written in."""
+    cos, sin = cos.double().unsqueeze(1), sin.double().unsqueeze(1)
+    q, k_new = _rotate(q.double(), cos, sin), _rotate(k_new.double(), cos, sin)
     keys, values = keys.clone(), values.clone()
-    keys[:, :, column], values[:, :, column] = k_new, v_new
+    keys[:, :, column], values[:, :, column] = k_new.to(keys.dtype), v_new
     b, heads, dim = q.shape
     kv = keys.shape[1]
     scores = torch.einsum("bkgd,bkcd->bkgc", q.double().view(b, kv, heads // kv, dim),
@@ -47,18 +56,25 @@ def test_attention_and_the_cache_write_match_torch(dtype, dim, heads, kv, window
     bias = torch.zeros(rows, cols).masked_fill_(~valid, float("-inf"))
     qkv = torch.randn(rows, heads + 2 * kv, dim, generator=g).to(dtype)
     q, k_new, v_new = qkv[:, :heads], qkv[:, heads: heads + kv], qkv[:, heads + kv:]
-    want, want_k, want_v = _reference(q, k_new, v_new, keys_t.transpose(-1, -2), values, bias,
-                                      column, dim ** -0.5)
+    angles = torch.rand(rows, dim // 2, generator=g) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    signed_sin = torch.cat([-sin[:, : dim // 2], sin[:, dim // 2:]], -1)  # what the kernel takes
+    want, want_k, want_v = _reference(q, k_new, v_new, cos, sin, keys_t.transpose(-1, -2), values,
+                                      bias, column, dim ** -0.5)
     before_k, before_v = store_k.clone(), store_v.clone()
 
     op = cpu_kernels.decode_attention(dim, torch.device("cpu"))
-    got = op(q, k_new, v_new, keys_t, values, bias, column, dim ** -0.5)
+    got = op(q, k_new, v_new, cos, signed_sin, keys_t, values, bias, column, dim ** -0.5)
 
     assert got.dtype == dtype and got.shape == (rows, heads, dim)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
     # the step's key and value landed at their column, in the buffer, and nothing else moved
-    torch.testing.assert_close(keys_t.transpose(-1, -2), want_k.to(dtype), atol=0, rtol=0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(keys_t.transpose(-1, -2), want_k, atol=1e-6, rtol=1e-6)
+    else:  # the rotated key rounded once to bf16 (fp64 reference, fp32 kernel: at most 1 ulp)
+        torch.testing.assert_close(keys_t.transpose(-1, -2).float(), want_k.float(), atol=0,
+                                   rtol=2 ** -7)
     torch.testing.assert_close(values, want_v.to(dtype), atol=0, rtol=0)
     other = torch.ones(cols + 20, dtype=torch.bool)
     other[lo + column] = False
@@ -71,12 +87,34 @@ def test_bad_shapes_are_refused_with_the_reason():
     q = torch.randn(2, 9, 64)
     kv = torch.randn(2, 3, 64)
     keys_t, values = torch.randn(2, 3, 64, 10), torch.randn(2, 3, 10, 64)
+    cs = torch.ones(2, 64)
     with pytest.raises(RuntimeError, match="shapes do not match"):
-        op(q, kv, kv, keys_t, values, torch.zeros(2, 11), 9, 0.125)
+        op(q, kv, kv, cs, cs, keys_t, values, torch.zeros(2, 11), 9, 0.125)
     with pytest.raises(RuntimeError, match="column outside the cache"):
-        op(q, kv, kv, keys_t, values, torch.zeros(2, 10), 10, 0.125)
+        op(q, kv, kv, cs, cs, keys_t, values, torch.zeros(2, 10), 10, 0.125)
     with pytest.raises(RuntimeError, match="one dtype"):
-        op(q.bfloat16(), kv, kv, keys_t, values, torch.zeros(2, 10), 9, 0.125)
+        op(q.bfloat16(), kv, kv, cs, cs, keys_t, values, torch.zeros(2, 10), 9, 0.125)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        op(q, kv, kv, cs[:, :32], cs[:, :32], keys_t, values, torch.zeros(2, 10), 9, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rms_norm_is_transformers_llama_rms_norm(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=g))
+        hidden = (torch.randn(40, 600, generator=g) * 3).to(dtype)[:, :576]  # strided rows
+        want = norm(hidden)
+    got = cpu_kernels.rms_norm(torch.device("cpu"))(hidden, norm.weight, norm.variance_epsilon)
+    assert got.dtype == dtype
+    # fp32: the sum in another order; bf16: the same two roundings, so at most one ulp apart
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    if dtype == torch.bfloat16:
+        assert (got != want).float().mean() < 0.01
 
 
 def test_no_kernel_for_other_devices_or_head_sizes_or_when_switched_off(monkeypatch):

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training_core.engines import slot_cache
+from training_core.engines import cpu_kernels, slot_cache
+from training_core.engines.fused_decode import FusedDecoder
+from training_core.engines.packed_linear import pack_linears
 from training_core.engines.slot_cache import ATTENTION, SlotCache, forest_prefill
 from training_core.models.loading import load_model
 
@@ -15,9 +17,12 @@ from training_core.models.loading import load_model
 class Batch:
     """The engine's use of the cache, without threads or sampling: tokens are given."""
 
-    def __init__(self, model, full_width: bool = False):
+    def __init__(self, model, full_width: bool = False, kernel: bool = False):
         self.model, self.slots, self.rows, self.next_pos = model, None, [], None
         self.full_width = full_width
+        # kernel: the fused decode step with cpu_kernels' attention (keys stored transposed)
+        self.fused = FusedDecoder(model) if kernel else None
+        assert not kernel or self.fused.uses_kernels
 
     @torch.no_grad()
     def join(self, prompts: list[list[int]]) -> torch.Tensor:
@@ -25,7 +30,8 @@ class Batch:
         if self.slots is None:
             keys = layers_kv[0][0]
             self.slots = SlotCache(len(layers_kv), keys.shape[1], keys.shape[3], keys.dtype,
-                                   torch.device("cpu"), full_width=self.full_width)
+                                   torch.device("cpu"), full_width=self.full_width,
+                                   keys_transposed=self.fused is not None)
         self.slots.join(layers_kv, mask, torch.arange(len(prompts)))
         pos = mask.sum(-1)
         self.next_pos = pos if self.next_pos is None else torch.cat([self.next_pos, pos])
@@ -35,14 +41,17 @@ class Batch:
     @torch.no_grad()
     def decode(self, tokens: list[int]) -> torch.Tensor:
         mask = self.slots.decode_mask()
-        out = self.model(input_ids=torch.tensor(tokens).view(-1, 1), attention_mask=mask,
-                         position_ids=self.next_pos.view(-1, 1), past_key_values=self.slots,
-                         use_cache=True)
+        if self.fused is not None:
+            logits = self.fused(torch.tensor(tokens), self.next_pos, mask, self.slots)
+        else:
+            logits = self.model(input_ids=torch.tensor(tokens).view(-1, 1), attention_mask=mask,
+                                position_ids=self.next_pos.view(-1, 1),
+                                past_key_values=self.slots, use_cache=True).logits[:, -1]
         self.slots.advance()
         self.next_pos = self.next_pos + 1
         for row, t in zip(self.rows, tokens, strict=True):
             row.append(t)
-        return out.logits[:, -1]
+        return logits
 
     def keep(self, rows: list[int]) -> None:
         order = self.slots.keep(rows)
@@ -55,17 +64,25 @@ def _reference(reference_model, rows: list[list[int]]) -> torch.Tensor:
     return torch.stack([reference_model(input_ids=torch.tensor([r])).logits[0, -1] for r in rows])
 
 
-@pytest.mark.parametrize("full_width", [False, True], ids=["window", "full-width"])
+@pytest.mark.parametrize("full_width,kernel", [(False, False), (True, False), (False, True),
+                                               (True, True)],
+                         ids=["window", "full-width", "kernel-window", "kernel-full-width"])
 def test_decoding_through_joins_moves_and_growth_matches_full_forwards(tiny_model_dir, monkeypatch,
-                                                                       full_width):
+                                                                       full_width, kernel):
     """Both ways decode attends: over the window (fp32), or over the buffers' whole width with
-    the columns outside the window masked (reduced precision on CPU, see SlotCache)."""
+    the columns outside the window masked (reduced precision on CPU, see SlotCache); each
+    through transformers' forward and through the fused step with cpu_kernels' attention (which
+    writes the step's key and value into the cache itself)."""
+    if kernel and not cpu_kernels.load():
+        pytest.skip("no C++ toolchain to build cpu_kernels with")
     monkeypatch.setattr(slot_cache, "LEFT_HEADROOM", 2)  # longer joiners must move the window
     # The window's buffers are uninitialised: filled with nan here, any column read before it
     # was written would turn the logits to nan. Full width zero-fills them (it reads them all).
     monkeypatch.setattr(slot_cache, "_uninitialized",
                         lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype))
     model = load_model(tiny_model_dir).eval()
+    if kernel:
+        pack_linears(model)
     model.config._attn_implementation = ATTENTION
     reference = load_model(tiny_model_dir).eval()
     g = torch.Generator().manual_seed(0)
@@ -73,7 +90,7 @@ def test_decoding_through_joins_moves_and_growth_matches_full_forwards(tiny_mode
     def toks(n: int) -> list[int]:
         return torch.randint(3, 60, (n,), generator=g).tolist()
 
-    batch = Batch(model, full_width)
+    batch = Batch(model, full_width, kernel)
     batch.join([toks(4), toks(6), toks(4)])
     checked = 0
     for step in range(150):  # past the first 128 columns: the window moves and the buffers grow

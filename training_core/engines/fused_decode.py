@@ -66,9 +66,12 @@ class FusedDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.hidden = cfg.hidden_size
         self._qkv: list[torch.Tensor] = []
-        # cpu_kernels' decode attention where it is built; None: slot_cache's (torch's matmuls)
-        self._attend = cpu_kernels.decode_attention(self.head_dim,
-                                                    next(model.parameters()).device)
+        # cpu_kernels' attention and norm where they are built; None: torch's operators
+        device = next(model.parameters()).device
+        self._attend = cpu_kernels.decode_attention(self.head_dim, device)
+        self._rms_norm = cpu_kernels.rms_norm(device)
+        # the slot cache must then store keys transposed (SlotCache's keys_transposed)
+        self.uses_kernels = self._attend is not None
         self.refresh()
 
     def refresh(self) -> None:
@@ -91,20 +94,22 @@ class FusedDecoder:
         half = dim // 2
         # rotate_half(x) * sin == roll(x, half) * sin' with the first half of sin negated
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        if self._attend is not None:  # the mask as the kernel's bias, once for every layer
+        if self._attend is not None:  # once for every layer: the mask as a bias, cos and sin
             bias = torch.zeros(mask.shape[0], mask.shape[-1], dtype=torch.float32)
             bias.masked_fill_(~mask.view(b, -1), float("-inf"))
+            cos32, sin32 = cos.reshape(b, dim).float(), sin.reshape(b, dim).float()
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
             x = self._norm(h, layer.input_layernorm)
             qkv = _linear(x, self._qkv[i], None, "none", [], "").view(b, heads + 2 * kv, dim)
-            qk = qkv[:, : heads + kv]
-            qk = qk * cos + torch.roll(qk, half, dims=-1) * sin
-            if self._attend is not None:  # writes the step's key and value itself
+            if self._attend is not None:  # the rotary embedding and the cache write included
                 keys_t, values, column = slots.decode_buffers(i)
-                out = self._attend(qk[:, :heads], qk[:, heads:], qkv[:, heads + kv:], keys_t,
-                                   values, bias, column, attn.scaling)
+                out = self._attend(qkv[:, :heads], qkv[:, heads: heads + kv],
+                                   qkv[:, heads + kv:], cos32, sin32, keys_t, values, bias, column,
+                                   attn.scaling)
             else:
+                qk = qkv[:, : heads + kv]
+                qk = qk * cos + torch.roll(qk, half, dims=-1) * sin
                 keys, values = slots.update(qk[:, heads:].unsqueeze(2),
                                             qkv[:, heads + kv:].unsqueeze(2), i)
                 out, _ = attention(attn, qk[:, :heads].unsqueeze(2), keys, values, mask,
@@ -117,5 +122,7 @@ class FusedDecoder:
         return self.model.lm_head(self._norm(h, inner.norm))
 
     def _norm(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        if self._rms_norm is not None:
+            return self._rms_norm(h, norm.weight, norm.variance_epsilon)
         normed = torch.rms_norm(h.float(), (self.hidden,), None, norm.variance_epsilon)
         return norm.weight * normed.to(h.dtype)

@@ -460,7 +460,8 @@ class GenerationEngine:
         if self._slots is None:
             keys = layers_kv[0][0]
             self._slots = SlotCache(len(layers_kv), keys.shape[1], keys.shape[3], keys.dtype,
-                                    self.device)
+                                    self.device, keys_transposed=self._fused is not None
+                                    and self._fused.uses_kernels)
         rows = torch.tensor(owner, device=self.device)
         self._slots.join(layers_kv, mask, rows)
         next_pos = mask.sum(-1).index_select(0, rows)
@@ -553,17 +554,18 @@ class _WeightRequest:
 def _sample(logits: torch.Tensor, seqs: list[Seq], gen: torch.Generator):
     temps = [s.temperature for s in seqs]
     greedy = [t <= 0 for t in temps]
-    scaled = logits.float()
-    if any(t != 1.0 for t, g in zip(temps, greedy, strict=True) if not g):
+    truncated = any((s.top_k > 0 and s.top_k < logits.shape[-1]) or s.top_p < 1.0 for s in seqs)
+    # The tempered distribution in one pass of torch's fused softmax, in fp32 whatever the
+    # logits' dtype; the sampled tokens' logprobs are the logs of their probabilities (1e-7 off
+    # log_softmax's). The max, the shifted exponentials and their sum as separate passes over a
+    # [64, 49152] tensor took 3.5 ms of a SmolLM2 bf16 decode step on 2 cores, this about 1.
+    scaled = logits
+    if any(t != 1.0 for t, g in zip(temps, greedy, strict=True) if not g) or truncated:
         scale = torch.tensor([1.0 if g else t for t, g in zip(temps, greedy, strict=True)],
                              device=logits.device).view(-1, 1)
-        scaled = scaled / scale
-    # The tempered distribution in one pass of torch's fused softmax; the sampled tokens'
-    # logprobs are the logs of their probabilities (fp32: 1e-7 off log_softmax's). The max, the
-    # shifted exponentials and their sum as separate passes over a [64, 49152] tensor took
-    # 3.5 ms of a SmolLM2 bf16 decode step on 2 cores, the softmax 1 ms.
-    probs = torch.softmax(scaled, dim=-1)
-    if any((s.top_k > 0 and s.top_k < logits.shape[-1]) or s.top_p < 1.0 for s in seqs):
+        scaled = logits.float() / scale
+    probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
+    if truncated:
         filtered = scaled.clone()
         for i, s in enumerate(seqs):
             if s.top_k > 0 and s.top_k < filtered.shape[-1]:

@@ -8,7 +8,7 @@ of the engine on the demo task, cat + index_select took 0.32 s against 0.25 s of
 ``linear``. Here a decode step writes one column in place; a joining row is written once into
 its slot; a finished row's slot is refilled by moving the last row into it.
 
-Layout: ``keys[layer, row, head, column, dim]`` (stored transposed, see ``_allocate``). Rows ``[0, size)`` are the running batch. All
+Layout: ``keys[layer, row, head, column, dim]`` (stored transposed for cpu_kernels). Rows ``[0, size)`` are the running batch. All
 rows share the column window ``[lo, hi)``, left-padded (``valid`` marks real tokens); a decode
 step writes column ``hi``. Columns left of ``lo`` are headroom for a joining sequence longer
 than the window.
@@ -67,8 +67,14 @@ class SlotCache:
     """What a transformers forward needs of a cache (``update``), plus the engine's moves."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, *, full_width: bool | None = None):
+                 device: torch.device, *, full_width: bool | None = None,
+                 keys_transposed: bool = False):
         self.shape = (layers, kv_heads, head_dim)
+        # Keys stored [layer, row, head, dim, column] and seen through a transposed view, for
+        # cpu_kernels' attention: one row's columns of a dimension are contiguous, which is what
+        # its q . K^T reads. Torch's path writes the step's key as a column of that layout
+        # (a scattered copy), so it keeps keys as they are.
+        self.keys_transposed = keys_transposed
         # Decode attends over the buffers' whole width, masked, instead of the window: CPU's
         # reduced-precision batched matmul copies an operand whose matrices are not packed one
         # after another (a window of a wider buffer is not), and that copy cost more than the
@@ -103,6 +109,7 @@ class SlotCache:
         """For a kernel that writes the step's key and value itself (cpu_kernels): the layer's
         keys, transposed, [size, Hkv, D, L] and values [size, Hkv, L, D] over the decode mask's
         columns, and the column in them that the step writes."""
+        assert self.keys_transposed, "a kernel's buffers: SlotCache(..., keys_transposed=True)"
         n = self.size
         if self.full_width:
             return self.keys[layer_idx, :n].transpose(-1, -2), self.values[layer_idx, :n], self.hi
@@ -191,14 +198,14 @@ class SlotCache:
         # cost a page fault and a write per 4 KiB of capacity, most of it never used: a growth
         # to 256 rows x 256 columns (2 x 134 MB, the long-tail benchmark's size) stalled the
         # engine 107 ms, 18 ms uninitialised.
-        # Keys are stored transposed, [layer, row, head, dim, column], and seen through a
-        # transposed view: one row's columns of a dimension are contiguous, which is what
-        # q . K^T reads (cpu_kernels' attention as a broadcast times a vector, torch's as a
-        # plain product, also over a window of the buffer).
         layers, heads, dim = self.shape
         make = torch.zeros if self.full_width else _uninitialized
-        self.keys = make((layers, rows, heads, dim, cols), dtype=self.dtype,
-                         device=self.device).transpose(-1, -2)
+        if self.keys_transposed:
+            self.keys = make((layers, rows, heads, dim, cols), dtype=self.dtype,
+                             device=self.device).transpose(-1, -2)
+        else:
+            self.keys = make((layers, rows, heads, cols, dim), dtype=self.dtype,
+                             device=self.device)
         self.values = make((layers, rows, heads, cols, dim), dtype=self.dtype, device=self.device)
         self.valid = torch.zeros(rows, cols, dtype=torch.bool, device=self.device)
 
