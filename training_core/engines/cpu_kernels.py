@@ -22,9 +22,11 @@ builds ahead (scripts/test.sh does). Where it cannot be built (no compiler) or
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -50,14 +52,29 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
+
+
+def _compiler() -> str:
+    """Which C++ compiler torch's builder will run, and its file's identity (a new compiler
+    builds anew) without starting it."""
+    path = shutil.which(os.environ.get("CXX", "c++")) or ""
+    if not path:
+        return "none"
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    return f"{real}:{st.st_size}:{st.st_mtime_ns}"
+
+
 def build_dir() -> Path:
+    """The build's folder: its key covers the sources, flags, compiler, torch and this CPU."""
     from training_core.models.smollm2 import cache_root
 
     key = hashlib.sha256()
     for src in SOURCES:
         key.update(src.read_bytes())
-    key.update(torch.__version__.encode())
-    key.update(_cpu_flags().encode())
+    for part in (" ".join(CFLAGS), _compiler(), torch.__version__, _cpu_flags()):
+        key.update(part.encode() + b"\0")
     return cache_root() / "kernels" / key.hexdigest()[:16]
 
 
@@ -77,22 +94,31 @@ def _load() -> bool:
     target = build_dir()
     built = target / "built"  # written after a whole build: a library being linked is not it
     try:
-        if built.exists():
-            torch.ops.load_library(str(target / "oolong_kernels.so"))
-            return True
-        from torch.utils.cpp_extension import load as build
-
-        target.mkdir(parents=True, exist_ok=True)
-        log.info("building the engine's CPU kernels in %s (once per machine)", target)
-        # torch's build holds a lock in the directory: servers starting together build once
-        build(name="oolong_kernels", sources=[str(s) for s in SOURCES], build_directory=str(target),
-              extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
-              is_python_module=False, verbose=False)
-        built.touch()
+        if not built.exists():
+            _build(target, built)
+        torch.ops.load_library(str(target / "oolong_kernels.so"))
         return True
     except Exception as exc:  # no compiler, no ninja, a failed build: torch's kernels serve
         log.warning("CPU kernels not available, torch's attention decodes: %s", exc)
         return False
+
+
+def _build(target: Path, built: Path) -> None:
+    """Build under an flock of our own: servers starting together build once, and a builder
+    that dies releases it (torch's own lock file is left behind by a killed build, and every
+    later build then waits on it forever, so it is removed here, where no one else builds)."""
+    from torch.utils.cpp_extension import load as build
+
+    target.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if built.exists():  # another process built it while this one waited
+            return
+        (target / "lock").unlink(missing_ok=True)
+        log.info("building the engine's CPU kernels in %s (once per machine)", target)
+        build(name="oolong_kernels", sources=[str(s) for s in SOURCES], build_directory=str(target),
+              extra_cflags=CFLAGS, is_python_module=False, verbose=False)
+        built.touch()
 
 
 def decode_attention(head_dim: int, device: torch.device) -> Callable[..., torch.Tensor] | None:
@@ -115,5 +141,9 @@ def rms_norm(device: torch.device) -> Callable[..., torch.Tensor] | None:
 
 
 if __name__ == "__main__":  # build ahead: `python -m training_core.engines.cpu_kernels`
+    # Fails (exit 1) when they cannot be built, so that a broken kernel fails the test suite
+    # instead of being skipped; OOLONG_CPU_KERNELS=0 skips them on purpose.
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(f"CPU kernels {'ready' if load() else 'NOT available'} in {build_dir()}")
+    ready = load()
+    print(f"CPU kernels {'ready' if ready else 'NOT available'} in {build_dir()}")
+    raise SystemExit(0 if ready or os.environ.get(CPU_KERNELS_ENV) == "0" else 1)

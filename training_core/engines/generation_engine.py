@@ -467,7 +467,7 @@ class GenerationEngine:
         next_pos = mask.sum(-1).index_select(0, rows)
         self._next_pos = next_pos if self._next_pos is None else torch.cat([self._next_pos, next_pos])
         self._active = self._active + list(seqs)
-        logits = last_logits.float().index_select(0, rows)
+        logits = last_logits.index_select(0, rows)  # in the model's dtype: _sample's softmax is fp32
         self._sample_and_advance(logits, rows=range(len(self._active) - len(seqs), len(self._active)))
 
     def _decode_step(self) -> None:
@@ -484,7 +484,7 @@ class GenerationEngine:
                                 past_key_values=self._slots, use_cache=True).logits[:, -1, :]
         self._slots.advance()
         self._next_pos = self._next_pos + 1
-        self._sample_and_advance(logits.float(), rows=range(len(self._active)))
+        self._sample_and_advance(logits, rows=range(len(self._active)))
 
     def _sample_and_advance(self, logits: torch.Tensor, rows: range) -> None:
         """Sample one token for each row in ``rows`` (logits has one line per row in ``rows``)."""

@@ -194,6 +194,11 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
         }
         vfloat acc[GB][DV] = {};
         for (int64_t c = first; c < last; ++c) {
+          // a masked column (weight 0 for the whole group) is not read: whatever its value
+          // holds, even nan, stays out of the sum
+          bool attended = false;
+          for (int64_t g = 0; g < GB; ++g) attended |= sg[g * stride + c] != 0.f;
+          if (!attended) continue;
           const T* vr = vb + c * vs[2];
           for (int64_t i = 0; i < DV; ++i) {
             const vfloat values = loadv(vr + i * LANES);
