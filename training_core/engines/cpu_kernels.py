@@ -91,9 +91,9 @@ def load() -> bool:
 def _load() -> bool:
     if os.environ.get(CPU_KERNELS_ENV, "1") == "0":
         return False
-    target = build_dir()
-    built = target / "built"  # written after a whole build: a library being linked is not it
     try:
+        target = build_dir()  # reads the sources: a package installed without them has none
+        built = target / "built"  # written after a whole build: a library being linked is not it
         if not built.exists():
             _build(target, built)
         torch.ops.load_library(str(target / "oolong_kernels.so"))
