@@ -164,17 +164,9 @@ def report(measured: dict[str, dict[int, dict]], config: dict, machine: dict) ->
 def cpu_identity() -> dict:
     """The CPU's model and its bf16 instructions: the aim of 2,000 tok/s was set on a CPU with
     AMX (a bf16 matmul ~7x fp32); with AVX512-BF16 alone it is ~2x, and the bound says so."""
-    model, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    except OSError:
-        pass
+    from training_core.engines.cpu_kernels import cpu_info
+
+    model, flags = cpu_info()
     return {"cpu_model": model,
             "bf16_instructions": sorted(f for f in flags if f in ("amx_bf16", "avx512_bf16"))}
 

@@ -42,14 +42,26 @@ _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 
 
-def _cpu_flags() -> str:
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """This CPU's model name and feature flags (``/proc/cpuinfo``; elsewhere "unknown" and
+    none)."""
+    model, flags = "unknown", frozenset()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = frozenset(value.split())
+                break
     except OSError:
         pass
-    return os.uname().machine
+    return model, flags
+
+
+def _cpu_flags() -> str:
+    """What the build's -march=native depends on: the CPU's flags (its architecture without)."""
+    return " ".join(sorted(cpu_info()[1])) or os.uname().machine
 
 
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]

@@ -70,9 +70,13 @@ class FusedDecoder:
         device = next(model.parameters()).device
         self._attend = cpu_kernels.decode_attention(self.head_dim, device)
         self._rms_norm = cpu_kernels.rms_norm(device)
-        # the slot cache must then store keys transposed (SlotCache's keys_transposed)
-        self.uses_kernels = self._attend is not None
         self.refresh()
+
+    @property
+    def uses_kernels(self) -> bool:
+        """The attention kernel decodes: the slot cache must store keys transposed
+        (SlotCache's ``keys_transposed``)."""
+        return self._attend is not None
 
     def refresh(self) -> None:
         """Concatenate and pack q, k and v again from the (new) parameters; the other

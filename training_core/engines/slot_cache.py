@@ -8,10 +8,10 @@ of the engine on the demo task, cat + index_select took 0.32 s against 0.25 s of
 ``linear``. Here a decode step writes one column in place; a joining row is written once into
 its slot; a finished row's slot is refilled by moving the last row into it.
 
-Layout: ``keys[layer, row, head, column, dim]`` (stored transposed for cpu_kernels). Rows ``[0, size)`` are the running batch. All
-rows share the column window ``[lo, hi)``, left-padded (``valid`` marks real tokens); a decode
-step writes column ``hi``. Columns left of ``lo`` are headroom for a joining sequence longer
-than the window.
+Layout: ``keys[layer, row, head, column, dim]`` (stored transposed for cpu_kernels). Rows
+``[0, size)`` are the running batch. All rows share the column window ``[lo, hi)``, left-padded
+(``valid`` marks real tokens); a decode step writes column ``hi``. Columns left of ``lo`` are
+headroom for a joining sequence longer than the window.
 
 Attention: the model's attention runs through :func:`attention` (registered with transformers
 as ``ATTENTION``). Decoding (one query per row) is two batched matmuls over the window; the CPU
@@ -200,13 +200,11 @@ class SlotCache:
         # engine 107 ms, 18 ms uninitialised.
         layers, heads, dim = self.shape
         make = torch.zeros if self.full_width else _uninitialized
-        if self.keys_transposed:
-            self.keys = make((layers, rows, heads, dim, cols), dtype=self.dtype,
-                             device=self.device).transpose(-1, -2)
-        else:
-            self.keys = make((layers, rows, heads, cols, dim), dtype=self.dtype,
-                             device=self.device)
-        self.values = make((layers, rows, heads, cols, dim), dtype=self.dtype, device=self.device)
+        shape = (layers, rows, heads, cols, dim)
+        self.values = make(shape, dtype=self.dtype, device=self.device)
+        self.keys = (make((layers, rows, heads, dim, cols), dtype=self.dtype,
+                          device=self.device).transpose(-1, -2) if self.keys_transposed
+                     else make(shape, dtype=self.dtype, device=self.device))
         self.valid = torch.zeros(rows, cols, dtype=torch.bool, device=self.device)
 
     def _room(self, *, left: int, right: int, rows: int = 0) -> None:

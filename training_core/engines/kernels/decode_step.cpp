@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -22,6 +21,11 @@ inline float load(const uint16_t* p, int64_t i) {  // bfloat16: the high half of
   return f;
 }
 inline void store(float* p, int64_t i, float x) { p[i] = x; }
+// A tensor's data as the kernels' element type: float, or bfloat16 as its 16 bits.
+template <typename T>
+T* data(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
 inline void store(uint16_t* p, int64_t i, float x) {  // round to nearest even, as torch does
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof bits);
@@ -86,15 +90,14 @@ inline vfloat loadv(const uint16_t* p) {  // sixteen bfloat16 values
 // last attended one are not read.
 template <typename T, int64_t D, int64_t GB>
 void attend(const T* q, const T* knew, const T* vnew, const float* cos, const float* sin, T* kt,
-            T* v, const float* bias, T* out,
-            int64_t B, int64_t H, int64_t KV, int64_t C, int64_t column, const int64_t* qs,
-            const int64_t* ns, const int64_t* ms, const int64_t* ks, const int64_t* vs, int64_t bias_row,
-            float scale) {
+            T* v, const float* bias, T* out, int64_t B, int64_t H, int64_t KV, int64_t C,
+            int64_t column, const int64_t* qs, const int64_t* ns, const int64_t* ms,
+            const int64_t* ks, const int64_t* vs, int64_t bias_row, float scale) {
   static_assert(D % LANES == 0, "head size a multiple of LANES");
   constexpr int64_t DV = D / LANES, NB = 4;
-  const int64_t G = H / KV, stride = C;
+  const int64_t G = H / KV;
   at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), scores(G * stride);
+    std::vector<float> qf(G * D), scores(G * C);  // scores by absolute column, a row per head
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KV, h = task % KV;
       T* kb = kt + b * ks[0] + h * ks[1];
@@ -119,7 +122,8 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
         const char* nv = reinterpret_cast<const char*>(v + nb * vs[0] + nh * vs[1]);
         const int64_t krow = C * int64_t(sizeof(T)), vbytes = C * vs[2] * int64_t(sizeof(T));
         for (int64_t d = 0; d < D; ++d)
-          for (int64_t x = 0; x < krow; x += 64) __builtin_prefetch(nk + d * ks[2] * sizeof(T) + x, 0, 2);
+          for (int64_t x = 0; x < krow; x += 64)
+            __builtin_prefetch(nk + d * ks[2] * sizeof(T) + x, 0, 2);
         for (int64_t x = 0; x < vbytes; x += 64) __builtin_prefetch(nv + x, 0, 2);
       }
       int64_t first = 0, last = C;  // attended columns lie in [first, last)
@@ -132,17 +136,13 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
       }
       for (int64_t g0 = 0; g0 < G; g0 += GB) {
         const float* qq = qf.data() + g0 * D;
-        float* sg = scores.data() + g0 * stride;
-        // Scores by absolute column. Blocks of NB * LANES columns, then of LANES; a block that
-        // would pass the buffer's end starts LANES before it instead (recomputing a few scores,
-        // and the columns past the last attended one are masked by their bias).
+        float* sg = scores.data() + g0 * C;
+        // Blocks of NB * LANES columns, then of LANES; a block that would pass the buffer's end
+        // starts LANES before it instead (recomputing a few scores). Masked columns score their
+        // bias, -inf, whatever the buffer holds there.
         int64_t c0 = first;
         for (; c0 + NB * LANES <= last; c0 += NB * LANES) {
-          vfloat acc[GB][NB];
-          for (int64_t k = 0; k < NB; ++k) {
-            const vfloat m = loadv(mask + c0 + k * LANES);
-            for (int64_t g = 0; g < GB; ++g) acc[g][k] = m;
-          }
+          vfloat acc[GB][NB] = {};
           for (int64_t d = 0; d < D; ++d) {
             const T* kr = kb + d * ks[2] + c0;
             for (int64_t k = 0; k < NB; ++k) {
@@ -150,38 +150,37 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
               for (int64_t g = 0; g < GB; ++g) acc[g][k] += qq[g * D + d] * keys;
             }
           }
-          for (int64_t k = 0; k < NB; ++k) {  // masked columns -inf whatever they hold
+          for (int64_t k = 0; k < NB; ++k) {
             const vfloat m = loadv(mask + c0 + k * LANES);
             for (int64_t g = 0; g < GB; ++g) {
               const vfloat masked = m == 0.f ? acc[g][k] : m;
-              std::memcpy(sg + g * stride + c0 + k * LANES, &masked, sizeof(vfloat));
+              std::memcpy(sg + g * C + c0 + k * LANES, &masked, sizeof(vfloat));
             }
           }
         }
         for (; c0 < last && C >= LANES; c0 += LANES) {
           const int64_t at = std::min(c0, C - LANES);
-          vfloat acc[GB];
-          const vfloat m = loadv(mask + at);
-          for (int64_t g = 0; g < GB; ++g) acc[g] = m;
+          vfloat acc[GB] = {};
           for (int64_t d = 0; d < D; ++d) {
             const vfloat keys = loadv(kb + d * ks[2] + at);
             for (int64_t g = 0; g < GB; ++g) acc[g] += qq[g * D + d] * keys;
           }
+          const vfloat m = loadv(mask + at);
           for (int64_t g = 0; g < GB; ++g) {
             const vfloat masked = m == 0.f ? acc[g] : m;
-            std::memcpy(sg + g * stride + at, &masked, sizeof(vfloat));
+            std::memcpy(sg + g * C + at, &masked, sizeof(vfloat));
           }
         }
         for (; c0 < last; ++c0) {  // a buffer narrower than LANES
           for (int64_t g = 0; g < GB; ++g) {
-            float acc = mask[c0];
+            float acc = 0.f;
             for (int64_t d = 0; d < D; ++d) acc += qq[g * D + d] * load(kb + c0, d * ks[2]);
-            sg[g * stride + c0] = mask[c0] == 0.f ? acc : mask[c0];
+            sg[g * C + c0] = mask[c0] == 0.f ? acc : mask[c0];
           }
         }
         float inv[GB];
         for (int64_t g = 0; g < GB; ++g) {
-          float* row = sg + g * stride;
+          float* row = sg + g * C;
           float peak = -INFINITY;
           for (int64_t c = first; c < last; ++c) peak = std::max(peak, row[c]);
           float total = 0.f;
@@ -197,12 +196,12 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
           // a masked column (weight 0 for the whole group) is not read: whatever its value
           // holds, even nan, stays out of the sum
           bool attended = false;
-          for (int64_t g = 0; g < GB; ++g) attended |= sg[g * stride + c] != 0.f;
+          for (int64_t g = 0; g < GB; ++g) attended |= sg[g * C + c] != 0.f;
           if (!attended) continue;
           const T* vr = vb + c * vs[2];
           for (int64_t i = 0; i < DV; ++i) {
             const vfloat values = loadv(vr + i * LANES);
-            for (int64_t g = 0; g < GB; ++g) acc[g][i] += sg[g * stride + c] * values;
+            for (int64_t g = 0; g < GB; ++g) acc[g][i] += sg[g * C + c] * values;
           }
         }
         for (int64_t g = 0; g < GB; ++g) {
@@ -227,7 +226,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
                   values.dim() == 4 && bias.dim() == 2,
               "q [B, H, D], k_new and v_new [B, KV, D], keys_t [B, KV, D, C], values [B, KV, C, "
               "D], bias [B, C]");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k_new, &v_new, &keys_t, &values, &bias})
+  for (const at::Tensor* t :
+       std::initializer_list<const at::Tensor*>{&q, &k_new, &v_new, &keys_t, &values, &bias})
     TORCH_CHECK(t->device().is_cpu() && t->stride(-1) == 1, "CPU tensors, last dim contiguous");
   TORCH_CHECK(q.scalar_type() == keys_t.scalar_type() && q.scalar_type() == values.scalar_type() &&
                   q.scalar_type() == k_new.scalar_type() && q.scalar_type() == v_new.scalar_type(),
@@ -261,23 +261,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   const int64_t GB = G % 4 == 0 ? 4 : G % 3 == 0 ? 3 : G % 2 == 0 ? 2 : 1;
   auto run = [&](auto head, auto group) {
     constexpr int64_t HD = decltype(head)::value, GBC = decltype(group)::value;
-    if (bf16) {
-      using U = uint16_t;
-      attend<U, HD, GBC>(reinterpret_cast<const U*>(q.data_ptr()),
-                         reinterpret_cast<const U*>(k_new.data_ptr()),
-                         reinterpret_cast<const U*>(v_new.data_ptr()), cos.data_ptr<float>(),
-                         sin.data_ptr<float>(), reinterpret_cast<U*>(keys_t.data_ptr()),
-                         reinterpret_cast<U*>(values.data_ptr()), bias.data_ptr<float>(),
-                         reinterpret_cast<U*>(out.data_ptr()), B, H, KV, C, column, qs, ns, ms,
-                         ks, vs, bias.stride(0), s);
-    } else {
-      attend<float, HD, GBC>(q.data_ptr<float>(), k_new.data_ptr<float>(),
-                             v_new.data_ptr<float>(), cos.data_ptr<float>(),
-                             sin.data_ptr<float>(), keys_t.data_ptr<float>(),
-                             values.data_ptr<float>(), bias.data_ptr<float>(),
-                             out.data_ptr<float>(), B, H, KV, C, column, qs, ns, ms, ks, vs,
-                             bias.stride(0), s);
-    }
+    auto typed = [&](auto element) {
+      using T = decltype(element);
+      attend<T, HD, GBC>(data<T>(q), data<T>(k_new), data<T>(v_new), data<float>(cos),
+                         data<float>(sin), data<T>(keys_t), data<T>(values), data<float>(bias),
+                         data<T>(out), B, H, KV, C, column, qs, ns, ms, ks, vs, bias.stride(0),
+                         s);
+    };
+    if (bf16)
+      typed(uint16_t{});
+    else
+      typed(float{});
   };
   auto by_group = [&](auto head) {
     switch (GB) {
@@ -331,16 +325,15 @@ at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double e
               "hidden and weight: one dtype, float32 or bfloat16");
   const int64_t B = hidden.size(0), N = hidden.size(1);
   auto out = at::empty({B, N}, hidden.options());
-  if (hidden.scalar_type() == at::kFloat) {
-    normalize<float>(hidden.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), B,
-                     N, hidden.stride(0), static_cast<float>(eps));
-  } else {
-    using U = uint16_t;
-    normalize<U>(reinterpret_cast<const U*>(hidden.data_ptr()),
-                 reinterpret_cast<const U*>(weight.data_ptr()),
-                 reinterpret_cast<U*>(out.data_ptr()), B, N, hidden.stride(0),
+  auto typed = [&](auto element) {
+    using T = decltype(element);
+    normalize<T>(data<T>(hidden), data<T>(weight), data<T>(out), B, N, hidden.stride(0),
                  static_cast<float>(eps));
-  }
+  };
+  if (hidden.scalar_type() == at::kFloat)
+    typed(float{});
+  else
+    typed(uint16_t{});
   return out;
 }
 
