@@ -16,6 +16,7 @@ from tqdm import tqdm
 from training_core.config import RunSpec
 from training_core.data.datasets import load_data
 from training_core.models.loading import load_model, load_tokenizer, spec_model_dir
+from training_core.optim import adamw
 from training_core.workflows.base import WorkflowContext
 
 
@@ -35,7 +36,7 @@ def sft(spec: RunSpec, out_dir: str | Path, *, steps: int = 300, seconds: float 
         prompt = ctx.render_prompt(row)
         target = tok.encode(str(row.get("solution", row["answer"])), add_special_tokens=False)
         examples.append((prompt, target + [tok.eos_token_id]))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = adamw(model.parameters(), lr=lr)
     rng = random.Random(spec.seed)
     start = time.perf_counter()
     bar = tqdm(total=steps, desc="sft warm start", disable=not progress, dynamic_ncols=True)

@@ -27,6 +27,7 @@ from training_core.engines.prefix_tree import (
     sequence_logprobs,
 )
 from training_core.models.loading import load_model
+from training_core.optim import adamw
 
 
 def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -161,8 +162,7 @@ class DeepSpeedTrainer:
             self.reference = load_model(model_dir, weights_dtype).to(self.device).eval()
             disable_dropout(self.reference)
             self.reference.requires_grad_(False)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
-                                      betas=(0.9, 0.999))
+        optimizer = adamw(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999))
         config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
@@ -176,6 +176,10 @@ class DeepSpeedTrainer:
         }
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config)
+        if zero_stage == 0 and rank_and_world()[1] == 1:
+            # One rank has nothing to reduce, yet DeepSpeed's stage-0 path still flattens every
+            # gradient into one buffer and copies it back: 0.3 of SmolLM2's 0.45 s optimizer step.
+            self.engine.enable_backward_allreduce = False
 
     # ---- forward passes ---------------------------------------------------------------------
 
