@@ -111,3 +111,14 @@ def test_the_shared_read_is_reached_only_through_the_users_own_access(runs, shar
     assert bob_api.get("/api/runs/compare/", {"ids": ids, "keys": "reward/mean"}).status_code == 404
     assert bob_api.get(f"/api/runs/{runs[0].id}/metrics/",
                        {"keys": "reward/mean"}).status_code == 404
+
+
+def test_a_comparison_reads_only_the_runs_the_cache_lacks(runs, shared_series):
+    """The runs' entries come from the cache together; a run not in it is read (its two
+    statements) and stored, and the answer is the one every run read afresh gives."""
+    compare = lambda rs: runs_compare(runs=rs, keys=["reward/mean"], buckets=40, x="time")  # noqa: E731
+    compare(runs[:1])  # the first run's entry is in the cache now
+    assert _reads(lambda: compare(runs)) == _reads(lambda: compare(runs)) + 2 * (len(runs) - 1)
+    warm = compare(runs)
+    shared_series.SERIES_CACHE_S = 0
+    assert compare(runs) == warm

@@ -171,6 +171,16 @@ for buckets, size in ((1, 8192), (2, 2048), (10, 512), (40, 128), (150, 32), (40
     assert got["step"] == [max(s for s, _ in g) for g in want], (buckets, got["step"])
     assert got["max"] == [max(v for _, v in g) for g in want]
     assert all(abs(a - sum(v for _, v in g) / len(g)) < 1e-9 for a, g in zip(got["mean"], want))
+# Keys of other ranges in one read: each as read alone (points and blocks in one request).
+from webapp.tracking.selectors import run_series
+metrics_ingest(run=run, points=[{"key": "k2", "step": s, "value": rng.random(), "time": 1.0 + s}
+                                for s in range(100, 900, 3)])
+for buckets in (1, 10, 150, 400):
+    both = run_series(run=run, keys=["k", "k2"], buckets=buckets)
+    for got, key in zip(both, ("k", "k2")):
+        alone = metric_series_get(run=run, key=key, buckets=buckets)
+        assert {**got, "mean": 0} == {**alone, "mean": 0}, (buckets, key)
+        assert all(abs(a - b) < 1e-9 for a, b in zip(got["mean"], alone["mean"]))
 print("sqlite ok")
 """
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "webapp.config.settings.local",

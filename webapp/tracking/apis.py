@@ -13,6 +13,7 @@ from drf_spectacular.utils import (
 )
 from rest_framework import serializers
 from rest_framework.exceptions import PermissionDenied, ValidationError
+from rest_framework.renderers import BrowsableAPIRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -20,6 +21,7 @@ from training_core import metric_names as M
 from webapp.core.fields import BoundedText
 from webapp.core.json_input import json_check
 from webapp.core.params import int_param, list_param
+from webapp.core.renderers import FastJSONRenderer
 from webapp.core.schema import errors, int_query, str_query
 from webapp.runs.apis import RunOutput, RunSpecOutput
 from webapp.runs.auth import IngestTokenAuthentication, RunIngestUser
@@ -296,8 +298,14 @@ X_AXIS = str_query("x", "x-axis: step (default), time (seconds since the run's f
                         "tokens (consumed so far)", list(X_AXES))
 
 
+# The chart reads answer long lists of floats: encoded by orjson (webapp/core/renderers.py).
+CHART_RENDERERS = [FastJSONRenderer, BrowsableAPIRenderer]
+
+
 class RunMetricsApi(APIView):
     """Downsampled series (min/max/mean per step bucket) for the given metric keys."""
+
+    renderer_classes = CHART_RENDERERS
 
     class Output(serializers.Serializer):
         run = serializers.IntegerField()
@@ -399,6 +407,8 @@ def compare_response(request, runs: list[Run]) -> dict:
 
 
 class RunCompareApi(APIView):
+    renderer_classes = CHART_RENDERERS
+
     @extend_schema(operation_id="runs_compare", parameters=[
         str_query("ids", "comma-separated run ids, 1-20"), KEYS, BUCKETS, X_AXIS, TARGET],
         responses={200: CompareOutput, **errors(400, 401, 404)})
