@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Make sure the services the tests talk to run on 127.0.0.1: PostgreSQL (trust auth for
 # 127.0.0.1, user postgres), Redis, and Chromium for browser tests; and that bubblewrap, the jail
-# every reward runs in, is installed (`services.sh jail` alone is what the demo needs). Installs
-# from Debian's packages when missing. `services.sh up` records what it started; `down` stops it.
+# every reward runs in, is installed (`services.sh jail` alone is what the demo needs), and qemu
+# with a kernel for the cgroup v2 VM test (`services.sh vm`). Installs from Debian's packages when
+# missing. `services.sh up` records what it started; `down` stops it.
 set -euo pipefail
 STATE=${OOLONG_SERVICES_STATE:-/tmp/oolong-services-started}
 APT_UPDATED=0
@@ -59,6 +60,21 @@ jail_up() {
   fi
 }
 
+# tests/security/test_jail_cgroup_v2_vm.py boots Debian's kernel (cgroup v2 only) under qemu
+# (scripts/vm_run.py); only where /dev/kvm exists, elsewhere that test skips. No initramfs is
+# built for the kernel (INITRD=No): vm_run.py writes its own.
+vm_up() {
+  [ -e /dev/kvm ] || return 0
+  local want=()
+  command -v qemu-system-x86_64 >/dev/null || want+=(qemu-system-x86)
+  ls /lib/modules/*/kernel/fs/9p/9p.ko* >/dev/null 2>&1 || want+=(linux-image-amd64)
+  dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' \
+    || want+=(busybox-static)
+  [ "${#want[@]}" = 0 ] && return 0
+  echo "services: installing ${want[*]} (the cgroup v2 VM test)"
+  INITRD=No apt_install --no-install-recommends "${want[@]}"
+}
+
 chromium_up() {
   command -v chromium >/dev/null && return
   echo "services: installing Chromium (browser tests)"; apt_install chromium
@@ -76,8 +92,9 @@ down() {
 }
 
 case "${1:-up}" in
-  up) rm -f "$STATE"; pg_up; redis_up; chromium_up; jail_up ;;
+  up) rm -f "$STATE"; pg_up; redis_up; chromium_up; jail_up; vm_up ;;
   jail) jail_up ;;
+  vm) vm_up ;;
   down) down ;;
-  *) echo "usage: $0 up|down" >&2; exit 2 ;;
+  *) echo "usage: $0 up|jail|vm|down" >&2; exit 2 ;;
 esac

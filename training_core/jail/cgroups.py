@@ -59,9 +59,9 @@ def _v2_parent() -> Path | None:
     Either the caller's own cgroup already hands memory, pids and cpu to its children, or it
     can (they are in its ``cgroup.controllers`` and we may write it: a systemd unit with
     ``Delegate=yes``, a container's cgroup namespace): cgroup v2 lets only a cgroup without
-    processes of its own delegate, so this process first moves into a leaf ``oolong-main``
-    beside the jails, then enables the controllers (only if enabling them in place is refused
-    with EBUSY). Cached: this runs once per process."""
+    processes of its own delegate, so if enabling them in place is refused (EBUSY), the
+    cgroup's processes first move into a leaf ``oolong-main`` beside the jails (see
+    :func:`_vacate`). Cached: this runs once per process."""
     path = _own_paths().get("")
     for mount in (ROOT, ROOT / "unified"):
         if path is None or not (mount / "cgroup.controllers").exists():
@@ -79,14 +79,32 @@ def _v2_parent() -> Path | None:
             except OSError as exc:
                 if exc.errno != errno.EBUSY:
                     raise
-                leaf = parent / LEAF  # EBUSY: we are in it; move out of the way, then enable
-                leaf.mkdir(exist_ok=True)
-                (leaf / "cgroup.procs").write_text(str(os.getpid()))
+                _vacate(parent)
                 (parent / "cgroup.subtree_control").write_text(enable)
             return parent
-        except OSError:  # not ours to write, or other processes share the cgroup (EBUSY)
+        except OSError:  # not ours to write (no delegation), or a process would not move
             continue
     return None
+
+
+def _vacate(parent: Path) -> None:
+    """Move every process of ``parent`` (this one, and whatever shares its cgroup: the shell or
+    supervisor that started it under systemd, a container's init) into the leaf ``LEAF``, as
+    container runtimes do for nested cgroups: v2 lets a cgroup with processes of its own enable
+    no controller for its children (EBUSY). Repeated while processes fork in between."""
+    leaf = parent / LEAF
+    leaf.mkdir(exist_ok=True)
+    procs = parent / "cgroup.procs"
+    for _ in range(20):
+        pids = _read_pids(procs)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                (leaf / "cgroup.procs").write_text(str(pid))
+            except ProcessLookupError:
+                pass  # gone meanwhile
+    raise OSError(errno.EBUSY, f"processes keep appearing in {procs}")
 
 
 def _v1_parents() -> dict[str, Path] | None:

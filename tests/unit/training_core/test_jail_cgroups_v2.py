@@ -2,7 +2,8 @@
 controllers on cgroup v1, so no v2 hierarchy with them can exist here; these tests run the v2
 code against a directory laid out as cgroupfs v2 is (the files the kernel reads and writes),
 which is the one thing they can check here: which files get which values. The v1 side and the
-limits' effect are tested for real in tests/security/test_jail_escape.py."""
+limits' effect are tested for real in tests/security/test_jail_escape.py, the v2 side on a real v2
+kernel in a VM by tests/security/test_jail_cgroup_v2_vm.py."""
 
 from __future__ import annotations
 
