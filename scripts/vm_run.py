@@ -11,8 +11,9 @@ hierarchy is its business). No network device.
     python3 scripts/vm_run.py [--memory-mb 2048] [--cpus 2] [--timeout 300] -- 'command ...'
 
 The guest's output streams to stdout; the exit status is the command's (124: timed out, 125:
-the VM failed before reporting one). Needs /dev/kvm and, from Debian: qemu-system-x86,
-linux-image-amd64, busybox-static (``bash scripts/services.sh vm`` installs them). Stdlib only.
+the VM failed before reporting one). Needs /dev/kvm, qemu-system-x86, and Debian's kernel and
+busybox-static unpacked into .cache/vm (``bash scripts/services.sh vm`` does both; a kernel
+and busybox installed on the host are used where .cache/vm has none). Stdlib only.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import secrets
+import selectors
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -28,8 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
-STATUS = "oolong-vm-exit-status="
-BUSYBOX = Path("/bin/busybox")
+STATUS = "oolong-vm-exit-status-{nonce}="  # the nonce: no line the command prints can fake it
+# Where scripts/services.sh unpacks Debian's kernel and busybox-static (nothing is installed on
+# the host); a kernel and busybox installed on the host itself are used where that has none.
+VM_DIR = Path(os.environ.get("OOLONG_VM_DIR", Path(__file__).resolve().parents[1] / ".cache" / "vm"))
+ROOTS = (VM_DIR, Path("/"))
 # Loaded in this order: the PCI transport, then 9p over it (Debian builds them as modules).
 MODULES = ("virtio_pci", "9pnet_virtio", "9p")
 KERNEL_ARGS = ("console=ttyS0 loglevel=1 panic=-1 rdinit=/init "
@@ -63,7 +70,7 @@ cd $R && mount --move $R / || fail "moving the root"
 chroot . /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin HOME=/tmp \
   TMPDIR=/tmp LANG=C.UTF-8 /bin/sh -c "cd \"\$1\" && . /run/vm-command" vm-command "$(cat /cwd)" \
   </dev/console >/dev/console 2>&1
-echo "oolong-vm-exit-status=$?"
+echo "oolong-vm-exit-status-$(cat /nonce)=$?"
 reboot -f
 """
 
@@ -81,21 +88,36 @@ def _cpio(entries: list[tuple[str, int, bytes, int]]) -> bytes:
     return bytes(out)
 
 
-def find_kernel() -> tuple[Path, str]:
-    """The newest /boot/vmlinuz-* whose modules include 9p (Debian's cloud kernel has none)."""
-    for image in sorted(Path("/boot").glob("vmlinuz-*"), key=lambda p: p.stat().st_mtime, reverse=True):
-        version = image.name.removeprefix("vmlinuz-")
-        if list(Path("/lib/modules", version).rglob("9p.ko*")):
-            return image, version
-    raise SystemExit("vm_run: no kernel with 9p modules under /boot (apt-get install linux-image-amd64)")
+def find_kernel() -> tuple[Path, str, Path]:
+    """The newest ``boot/vmlinuz-*`` whose modules include 9p (Debian's cloud kernel has none),
+    its version and the root its modules are under: .cache/vm first, then the host's /boot."""
+    for root in ROOTS:
+        images = sorted((root / "boot").glob("vmlinuz-*"), key=lambda p: p.stat().st_mtime,
+                        reverse=True)
+        for image in images:
+            version = image.name.removeprefix("vmlinuz-")
+            modules = root / "lib" / "modules" / version
+            if (modules / "modules.dep").exists() and list(modules.rglob("9p.ko*")):
+                return image, version, root
+    raise SystemExit("vm_run: no kernel with 9p modules in .cache/vm or /boot "
+                     "(bash scripts/services.sh vm)")
 
 
-def module_files(version: str) -> list[str]:
+def busybox() -> Path | None:
+    """A static busybox for the initramfs (Debian's busybox-static), or None."""
+    for root in ROOTS:
+        path = root / "bin" / "busybox"
+        if path.exists() and _static(path):
+            return path
+    return None
+
+
+def module_files(version: str, root: Path) -> list[str]:
     files: list[str] = []
     for module in MODULES:
-        lines = subprocess.run(["modprobe", "-S", version, "--show-depends", module], check=True,
-                               capture_output=True, text=True).stdout.splitlines()
-        files += [line.split()[1] for line in lines if line.startswith("insmod ")]
+        lines = subprocess.run(["modprobe", "-d", str(root), "-S", version, "--show-depends",
+                                module], check=True, capture_output=True, text=True).stdout
+        files += [line.split()[1] for line in lines.splitlines() if line.startswith("insmod ")]
     return list(dict.fromkeys(files))
 
 
@@ -110,15 +132,19 @@ def accel() -> list[str]:
     return ["-accel", "tcg,thread=multi", "-cpu", "max"]
 
 
-def initramfs(version: str, command: str, cwd: str) -> bytes:
-    modules = module_files(version)
+def initramfs(version: str, root: Path, command: str, cwd: str, nonce: str) -> bytes:
+    modules = module_files(version, root)
     dirs = ["bin", "dev", "proc", "sys", "newroot", "lib"]
     entries = [(d, 0o40755, b"", 0) for d in dirs]
     entries.append(("dev/console", 0o20600, b"", os.makedev(5, 1)))  # init's stdio before devtmpfs
-    entries.append(("bin/busybox", 0o100755, BUSYBOX.read_bytes(), 0))
+    static = busybox()
+    if static is None:
+        raise SystemExit("vm_run: no static busybox (bash scripts/services.sh vm)")
+    entries.append(("bin/busybox", 0o100755, static.read_bytes(), 0))
     entries.append(("init", 0o100755, INIT.encode(), 0))
     entries.append(("command", 0o100644, command.encode() + b"\n", 0))
     entries.append(("cwd", 0o100644, cwd.encode(), 0))
+    entries.append(("nonce", 0o100644, nonce.encode(), 0))
     names = [f"lib/m{i}.ko" for i in range(len(modules))]
     entries.append(("modules", 0o100644, "\n".join("/" + n for n in names).encode(), 0))
     entries += [(n, 0o100644, Path(f).read_bytes(), 0) for n, f in zip(names, modules, strict=True)]
@@ -128,10 +154,11 @@ def initramfs(version: str, command: str, cwd: str) -> bytes:
 def _static(path: Path) -> bool:
     """An ELF64 executable without a PT_INTERP header (no dynamic loader: it runs in the initramfs)."""
     data = path.read_bytes()
+    if len(data) < 0x40 or data[:4] != b"\x7fELF":
+        return False
     phoff, = struct.unpack_from("<Q", data, 0x20)
     size, count = struct.unpack_from("<HH", data, 0x36)
-    return data[:4] == b"\x7fELF" and all(
-        struct.unpack_from("<I", data, phoff + i * size)[0] != 3 for i in range(count))
+    return all(struct.unpack_from("<I", data, phoff + i * size)[0] != 3 for i in range(count))
 
 
 def missing() -> str | None:
@@ -142,8 +169,8 @@ def missing() -> str | None:
     for tool in ("qemu-system-x86_64", "modprobe"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (bash scripts/services.sh vm)"
-    if not BUSYBOX.exists() or not _static(BUSYBOX):
-        return f"no static {BUSYBOX} (Debian's busybox-static; bash scripts/services.sh vm)"
+    if busybox() is None:
+        return "no static busybox in .cache/vm or /bin (bash scripts/services.sh vm)"
     try:
         find_kernel()
     except SystemExit as exc:
@@ -155,10 +182,12 @@ def run(command: str, *, memory_mb: int = 2048, cpus: int = 2, timeout_s: float 
         cwd: str | None = None, out=sys.stdout) -> int:
     """Boot, run ``command`` (sh) as root in ``cwd`` (default: ours), stream its output to
     ``out``; its exit status, 124 on timeout, 125 if the VM gave none."""
-    image, version = find_kernel()
+    image, version, root = find_kernel()
+    nonce = secrets.token_hex(8)
+    marker = STATUS.format(nonce=nonce)
     with tempfile.TemporaryDirectory(prefix="oolong-vm-") as tmp:
         initrd = Path(tmp, "initramfs")
-        initrd.write_bytes(initramfs(version, command, cwd or os.getcwd()))
+        initrd.write_bytes(initramfs(version, root, command, cwd or os.getcwd(), nonce))
         qemu = ["qemu-system-x86_64", *accel(), "-m", str(memory_mb),
                 "-smp", str(cpus), "-nodefaults", "-display", "none", "-no-reboot",
                 "-chardev", "stdio,id=console,signal=off", "-serial", "chardev:console",
@@ -166,15 +195,17 @@ def run(command: str, *, memory_mb: int = 2048, cpus: int = 2, timeout_s: float 
                 "-fsdev", "local,id=hostroot,path=/,security_model=passthrough,readonly=on,"
                 "multidevs=remap",
                 "-device", "virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot"]
+        # qemu dies with us (a test's timeout kills this process with SIGKILL, which runs no
+        # finally): a guest left behind would hold 2 GB and two busy vCPUs.
         proc = subprocess.Popen(qemu, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         status = None
         deadline = time.monotonic() + timeout_s
         try:
             assert proc.stdout is not None
             for raw in _lines(proc, deadline):
                 line = raw.decode(errors="replace").replace("\r", "")
-                match = re.fullmatch(re.escape(STATUS) + r"(\d+)\n?", line)
+                match = re.fullmatch(re.escape(marker) + r"(\d+)\n?", line)
                 if match:
                     status = int(match.group(1))
                 elif status is None:  # after it: the kernel's power-off notice
@@ -193,10 +224,15 @@ def run(command: str, *, memory_mb: int = 2048, cpus: int = 2, timeout_s: float 
     return status
 
 
+def _die_with_parent() -> None:
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _lines(proc: subprocess.Popen, deadline: float):
     """qemu's output line by line until it exits or the deadline passes (then it is killed)."""
-    import selectors
-
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     buf = b""
@@ -221,6 +257,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="only say whether a VM can start here")
     parser.add_argument("command", nargs="*", help="shell command (after --)")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that qemu and the tmp dir go
     if args.check:
         reason = missing()
         print(reason or "ok")

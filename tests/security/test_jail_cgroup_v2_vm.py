@@ -42,6 +42,8 @@ CHECKS = [f"tests/security/vm_cgroup_v2_checks.py::{name}" for name in (
     "test_without_delegated_controllers_user_code_is_refused",
     "test_an_unprivileged_service_without_delegation_is_refused",
     "test_an_unprivileged_service_with_delegation_runs_bounded_jails",
+    "test_a_process_started_in_the_leaf_uses_its_parent_without_nesting",
+    "test_in_a_unit_not_delegated_other_processes_stay_and_user_code_is_refused",
 )]
 
 
@@ -53,6 +55,8 @@ def _guest_script() -> str:
         # the unit, whose cgroup holds the shell that starts the platform.
         "echo '+cpu +memory +pids' > /sys/fs/cgroup/cgroup.subtree_control",
         "mkdir /sys/fs/cgroup/oolong.service",
+        f"{sys.executable} -c \"import os; os.setxattr('/sys/fs/cgroup/oolong.service',"
+        " 'trusted.delegate', b'1')\"",  # what systemd >= 251 writes on a delegated unit
         "echo $$ > /sys/fs/cgroup/oolong.service/cgroup.procs",
     ]
     if base.is_relative_to("/root"):

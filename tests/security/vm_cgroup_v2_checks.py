@@ -157,3 +157,34 @@ def test_an_unprivileged_service_with_delegation_runs_bounded_jails():
     assert found == {"mode": "v2", "ok": True, "error": None}, found
     assert {"cpu", "memory", "pids"} <= set((unit / "cgroup.subtree_control").read_text().split())
     assert (unit / cgroups.LEAF).is_dir()
+
+
+def test_a_process_started_in_the_leaf_uses_its_parent_without_nesting():
+    """A worker that already vacated its unit starts the next trainer inside the leaf: that one
+    creates its jails beside the leaf as well, not under a second ``oolong-main``."""
+    leaf = SERVICE / cgroups.LEAF
+    result = _in_cgroup(leaf, "from training_core.jail import cgroups, check_available\n"
+                              "print(check_available(), cgroups._v2_parent())")
+    assert result.returncode == 0, result
+    assert result.stdout.split()[-2:] == ["v2", str(SERVICE)], result.stdout
+    assert not (leaf / cgroups.LEAF).exists()
+
+
+def test_in_a_unit_not_delegated_other_processes_stay_and_user_code_is_refused():
+    """Root in a unit systemd manages itself (no delegate mark), sharing it with another
+    process: that process is not ours to move, so the controllers cannot be enabled and user
+    code is refused."""
+    unit = _make(CGROUP / "oolong-managed.service")
+    fd = os.open(unit / "cgroup.procs", os.O_WRONLY)
+    try:
+        other = subprocess.Popen(["sleep", "300"], preexec_fn=lambda: os.write(fd, b"0"),
+                                 pass_fds=(fd,))
+    finally:
+        os.close(fd)
+    try:
+        result = _in_cgroup(unit, CHECK)
+        assert result.returncode != 0 and REFUSED in result.stderr, result
+        assert _cgroup_of(other.pid) == "/oolong-managed.service"
+    finally:
+        other.kill()
+        other.wait()

@@ -328,3 +328,26 @@ def test_bf16_autocasts_over_fp32_master_weights(tiny_model_dir, zero_stage):
     big = w0.abs() > 1e-2
     assert (w1 != w0)[big].float().mean() > 0.9
     assert (w1.bfloat16() == w0.bfloat16())[big].float().mean() > 0.9
+
+
+def test_a_parameter_the_loss_misses_still_steps_on_a_single_rank(tiny_model_dir):
+    """One rank skips DeepSpeed's gradient reduction (it only copied buffers), and with it the
+    zero gradient that reduction gives a trainable parameter without one: AdamW must still
+    step that parameter (here: decay it), as it does on every rank of a multi-rank run."""
+    lr, decay = 1e-2, 0.1
+    t = DeepSpeedTrainer(tiny_model_dir, lr=lr, weight_decay=decay, grad_clip=10.0, zero_stage=0)
+    assert not t.engine.enable_backward_allreduce
+    norm = dict(t.engine.module.named_parameters())["model.norm.weight"]
+    before = norm.detach().clone()
+    loss_fn = lambda *a, **k: decoupled_ppo_loss(*a, cfg=PRESETS["grpo"], **k)  # noqa: E731
+
+    def missed_by_the_forward(*args, **kwargs):
+        norm.requires_grad_(True)  # trainable again, but the graph was built without it
+        return loss_fn(*args, **kwargs)
+
+    b = _batch(seed=5)
+    prox = t.logprobs(b)
+    b.behav_logp = prox.clone()
+    t.train_step(b, prox, missed_by_the_forward, before_micro_batch=lambda: norm.requires_grad_(False))
+    assert norm.requires_grad
+    torch.testing.assert_close(norm.detach(), before * (1 - lr * decay))

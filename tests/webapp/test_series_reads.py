@@ -104,3 +104,14 @@ def test_chart_answers_parse_to_what_the_standard_encoder_gives(shaped_run, api,
     assert list(json.loads(resp.content)["series"]) == [str(shaped_run.id)]
     assert api.get("/api/runs/compare/", {"ids": str(shaped_run.id)},
                    HTTP_ACCEPT="application/json; indent=2").content.startswith(b"{\n  ")
+
+
+def test_an_answer_orjson_cannot_encode_falls_back_to_drfs_encoder():
+    """orjson refuses integers beyond 64 bits, which a spec may hold (a seed has no bound):
+    such an answer is encoded by DRF's renderer instead of failing the request."""
+    import json
+
+    from webapp.core.renderers import FastJSONRenderer
+
+    data = {"seed": 2**70, "text": "a\u2028b", "steps": [1.5, 2]}
+    assert json.loads(FastJSONRenderer().render(data, "application/json")) == data

@@ -27,7 +27,7 @@ from training_core.engines.prefix_tree import (
     sequence_logprobs,
 )
 from training_core.models.loading import load_model
-from training_core.optim import adamw
+from training_core.optim import adamw, keep_fused
 
 
 def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -300,6 +300,8 @@ class DeepSpeedTrainer:
                 totals["behav_masked"] += stats.behav_masked
                 totals["kl_sum"] += stats.kl_sum
             started = time.perf_counter()
+            if not self.engine.enable_backward_allreduce:
+                self._zero_missing_grads()
             local_norm = self._grad_norm()  # before step(): it clips and zeroes the grads
             self.engine.step()
             clock["time/optimizer_s"] += time.perf_counter() - started
@@ -313,6 +315,14 @@ class DeepSpeedTrainer:
             totals.update(dict(zip(keys, summed, strict=True)))
             totals["loss"] /= world
         return {**totals, **clock}
+
+    def _zero_missing_grads(self) -> None:
+        """What DeepSpeed's reduction does, for the single rank that skips it: a trainable
+        parameter the loss did not reach gets a zero gradient, so AdamW still steps it (weight
+        decay, moments), as every rank of a multi-rank run does."""
+        for p in self.engine.module.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
 
     def _grad_norm(self) -> float:
         # DeepSpeed reports no norm in unmanaged accumulation with ZeRO 0; ZeRO >= 1 keeps grads
@@ -377,6 +387,7 @@ class DeepSpeedTrainer:
     def load_checkpoint(self, ckpt_dir: str | Path, tag: str) -> dict[str, Any]:
         _, state = self.engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
                                                load_lr_scheduler_states=True)
+        keep_fused(self.engine.optimizer)
         rng = state.pop("rng", None)
         if rng:
             random.setstate(rng["python"])

@@ -57,19 +57,20 @@ def _v2_parent() -> Path | None:
     """The v2 cgroup under which jails are created, or None.
 
     Either the caller's own cgroup already hands memory, pids and cpu to its children, or it
-    can (they are in its ``cgroup.controllers`` and we may write it: a systemd unit with
-    ``Delegate=yes``, a container's cgroup namespace): cgroup v2 lets only a cgroup without
-    processes of its own delegate, so if enabling them in place is refused (EBUSY), the
-    cgroup's processes first move into a leaf ``oolong-main`` beside the jails (see
-    :func:`_vacate`). Cached: this runs once per process."""
+    can (they are in its ``cgroup.controllers`` and we may write it): cgroup v2 lets only a
+    cgroup without processes of its own delegate, so if enabling them in place is refused
+    (EBUSY), processes first move into a leaf ``oolong-main`` beside the jails (see
+    :func:`_vacate`). A process started later inside that leaf (a worker's next trainer) uses
+    the leaf's parent as it is, without a second level. Cached: this runs once per process."""
     path = _own_paths().get("")
     for mount in (ROOT, ROOT / "unified"):
         if path is None or not (mount / "cgroup.controllers").exists():
             continue
         parent = mount / path.lstrip("/")
         try:
-            enabled = set((parent / "cgroup.subtree_control").read_text().split())
-            if V2_NEEDED <= enabled:
+            if parent.name == LEAF and V2_NEEDED <= _enabled(parent.parent):
+                return parent.parent
+            if V2_NEEDED <= _enabled(parent):
                 return parent
             if not V2_NEEDED <= set((parent / "cgroup.controllers").read_text().split()):
                 continue
@@ -79,7 +80,7 @@ def _v2_parent() -> Path | None:
             except OSError as exc:
                 if exc.errno != errno.EBUSY:
                     raise
-                _vacate(parent)
+                _vacate(parent, everyone=_delegated(parent, path))
                 (parent / "cgroup.subtree_control").write_text(enable)
             return parent
         except OSError:  # not ours to write (no delegation), or a process would not move
@@ -87,13 +88,38 @@ def _v2_parent() -> Path | None:
     return None
 
 
-def _vacate(parent: Path) -> None:
-    """Move every process of ``parent`` (this one, and whatever shares its cgroup: the shell or
-    supervisor that started it under systemd, a container's init) into the leaf ``LEAF``, as
-    container runtimes do for nested cgroups: v2 lets a cgroup with processes of its own enable
-    no controller for its children (EBUSY). Repeated while processes fork in between."""
+def _enabled(cgroup: Path) -> set[str]:
+    return set((cgroup / "cgroup.subtree_control").read_text().split())
+
+
+def _delegated(cgroup: Path, path: str) -> bool:
+    """Whether ``cgroup`` is ours to rearrange: a container's cgroup namespace root, a systemd
+    unit with ``Delegate=yes`` (systemd >= 251 marks it with the ``trusted.delegate`` or
+    ``user.delegate`` attribute), or, for a non-root caller, a cgroup its own user owns. In any
+    other cgroup (a unit systemd manages itself, a login session) the other processes are not
+    ours to move; systemd would also undo the controllers we enabled there."""
+    if path == "/":
+        return True
+    for name in ("trusted.delegate", "user.delegate"):
+        try:
+            if os.getxattr(cgroup, name) in (b"1", b"true", b"yes"):
+                return True
+        except OSError:
+            pass
+    return os.getuid() != 0 and cgroup.stat().st_uid == os.getuid()
+
+
+def _vacate(parent: Path, *, everyone: bool) -> None:
+    """Move this process (``everyone``: every process of ``parent``, e.g. the shell or
+    supervisor that started it, as container runtimes do) into the leaf ``LEAF``: v2 lets a
+    cgroup with processes of its own enable no controller for its children (EBUSY). Repeated
+    while processes fork in between. Without ``everyone``, enabling fails again if another
+    process shares the cgroup, and user code is refused."""
     leaf = parent / LEAF
     leaf.mkdir(exist_ok=True)
+    if not everyone:
+        (leaf / "cgroup.procs").write_text(str(os.getpid()))
+        return
     procs = parent / "cgroup.procs"
     for _ in range(20):
         pids = _read_pids(procs)

@@ -132,8 +132,9 @@ def _series_read(run: Run, keys: list[str], buckets: int) -> dict[str, dict[str,
     """Each key's series, bucketed in SQL, in at most three queries: the keys' step ranges from
     the coarsest rollup level, then one query for the keys whose buckets are wide enough for
     rollup blocks (they read the coarsest level whose blocks fit, with LEVEL_SLACK) and one for
-    the others (they read the points: fewer than buckets * ROLLUP_STEPS rows). Each series also
-    carries ``time``, the latest wall time in each bucket."""
+    the others (they read the points: fewer than buckets * ROLLUP_STEPS rows), that one with
+    its own planner settings first when it is big. Each series also carries ``time``, the
+    latest wall time in each bucket."""
     keys = list(dict.fromkeys(keys))
     out = {k: {"key": k, "step": [], "mean": [], "min": [], "max": [], "time": [],
                "downsampled": False} for k in keys}
@@ -173,8 +174,9 @@ def _series_read(run: Run, keys: list[str], buckets: int) -> dict[str, dict[str,
             values = ", ".join(["(%s, %s, %s, %s, %s)"] * len(chosen))
             where = (" OR ".join(["(t.key = %s AND t.level = %s)"] * len(chosen)) if table == rollups
                      else "t.key IN (" + ", ".join(["%s"] * len(chosen)) + ")")
+            # Not inside a caller's transaction: the settings would outlive this read there.
             big = (table == points and point_rows > BIG_READ_ROWS
-                   and connection.vendor == "postgresql")
+                   and connection.vendor == "postgresql" and not connection.in_atomic_block)
             with transaction.atomic() if big else contextlib.nullcontext():
                 if big:
                     cur.execute(_BIG_READ_SETTINGS)

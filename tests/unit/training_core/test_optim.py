@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
-from training_core.optim import adamw
+from training_core.optim import adamw, keep_fused
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:
@@ -35,3 +37,30 @@ def test_parameters_without_a_fused_kernel_keep_the_plain_optimizer():
     assert not opt.param_groups[0]["fused"]
     params[0].grad = torch.ones_like(params[0])
     opt.step()
+
+
+def test_a_state_saved_by_an_unfused_optimizer_does_not_turn_fusing_off():
+    """``load_state_dict`` takes the saved groups whole (``fused: None``): a run resumed from a
+    checkpoint of an older version would lose the fused kernel without ``keep_fused``."""
+    old = _params(0)
+    unfused = torch.optim.AdamW(old, lr=1e-2, foreach=False)
+    for p in old:
+        p.grad = torch.ones_like(p)
+    unfused.step()
+    fused_params, loop_params = _params(0), _params(0)
+    for target in (fused_params, loop_params):
+        for p, o in zip(target, old, strict=True):
+            p.data.copy_(o.detach())
+    opt = adamw(fused_params, lr=1e-2)
+    opt.load_state_dict(copy.deepcopy(unfused.state_dict()))  # loading shares the tensors
+    assert not opt.param_groups[0]["fused"]  # what torch does
+    keep_fused(opt)
+    assert opt.param_groups[0]["fused"] is True
+    ref = torch.optim.AdamW(loop_params, lr=1e-2, foreach=False)
+    ref.load_state_dict(copy.deepcopy(unfused.state_dict()))
+    for p, q in zip(fused_params, loop_params, strict=True):
+        p.grad, q.grad = torch.full_like(p, 0.5), torch.full_like(q, 0.5)
+    opt.step()
+    ref.step()
+    for p, q in zip(fused_params, loop_params, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
