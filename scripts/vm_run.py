@@ -59,9 +59,15 @@ mount -t proc proc $R/proc && mount -t sysfs sysfs $R/sys \
   || fail "mounting /proc, /sys, /sys/fs/cgroup, /dev"
 mkdir -p $R/dev/pts $R/dev/shm && mount -t devpts devpts $R/dev/pts \
   && mount -t tmpfs -o mode=1777 tmpfs $R/dev/shm || fail "mounting /dev/pts, /dev/shm"
+# The command's directory (the checkout, with its venv) stays visible where it is, also when
+# it lies under a directory that gets a tmpfs (a CI clone in /tmp).
+CWD=$(cat /cwd)
+mkdir -p /keep && mount --bind "$R$CWD" /keep || fail "binding $CWD"
 for d in /tmp /var/tmp /run; do
   mount -t tmpfs -o mode=1777 tmpfs $R$d || fail "mounting tmpfs at $d"
 done
+[ -d "$R$CWD" ] || mkdir -p "$R$CWD" || fail "recreating $CWD"
+mount --bind /keep "$R$CWD" || fail "binding $CWD back"
 cp /command $R/run/vm-command
 stty -F /dev/console -onlcr 2>/dev/null
 # The host's tree becomes the namespace's root, not a chroot: the kernel refuses user namespaces
