@@ -8,6 +8,7 @@ cgroups beside that leaf. Unprivileged cases run as ``nobody`` through setpriv."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -36,19 +37,25 @@ def _cgroup_of(pid: int | str) -> str:
     return line[3:]
 
 
-def _in_cgroup(cgroup: Path, code: str, *, uid: int | None = None) -> subprocess.CompletedProcess:
-    """``python -c code`` started in ``cgroup`` (joined before exec), as root or as ``uid``."""
+@contextlib.contextmanager
+def _joining(cgroup: Path):
+    """Keyword arguments for subprocess that start the child in ``cgroup`` (joined before exec)."""
     fd = os.open(cgroup / "cgroup.procs", os.O_WRONLY)
+    try:
+        yield {"preexec_fn": lambda: os.write(fd, b"0"), "pass_fds": (fd,)}
+    finally:
+        os.close(fd)
+
+
+def _in_cgroup(cgroup: Path, code: str, *, uid: int | None = None) -> subprocess.CompletedProcess:
+    """``python -c code`` started in ``cgroup``, as root or as ``uid``."""
     argv = [sys.executable, "-c", code]
     if uid is not None:
         argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
-    try:
-        return subprocess.run(argv, preexec_fn=lambda: os.write(fd, b"0"), pass_fds=(fd,),
-                              capture_output=True, text=True, timeout=180, cwd=ROOT,
+    with _joining(cgroup) as join:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=ROOT,
                               env={"PATH": os.environ["PATH"], "HOME": "/tmp",
-                                   "PYTHONDONTWRITEBYTECODE": "1"})
-    finally:
-        os.close(fd)
+                                   "PYTHONDONTWRITEBYTECODE": "1"}, **join)
 
 
 def _make(path: Path, subtree: str = "", owner: int | None = None) -> Path:
@@ -175,12 +182,8 @@ def test_in_a_unit_not_delegated_other_processes_stay_and_user_code_is_refused()
     process: that process is not ours to move, so the controllers cannot be enabled and user
     code is refused."""
     unit = _make(CGROUP / "oolong-managed.service")
-    fd = os.open(unit / "cgroup.procs", os.O_WRONLY)
-    try:
-        other = subprocess.Popen(["sleep", "300"], preexec_fn=lambda: os.write(fd, b"0"),
-                                 pass_fds=(fd,))
-    finally:
-        os.close(fd)
+    with _joining(unit) as join:
+        other = subprocess.Popen(["sleep", "300"], **join)
     try:
         result = _in_cgroup(unit, CHECK)
         assert result.returncode != 0 and REFUSED in result.stderr, result

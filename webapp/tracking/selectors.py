@@ -84,7 +84,7 @@ def metric_series_get(*, run: Run, key: str, buckets: int = 500, x: str = "step"
 def run_series(*, run: Run, keys: list[str], buckets: int = 500, x: str = "step") -> list[dict[str, Any]]:
     """Several of a run's series on one x-axis (the axis' mapping is read once)."""
     axis = _XAxis(run, x)
-    found = _series_batch(run, keys, buckets)
+    found = _series_batches([run], keys, buckets)[run.id]
     return [axis.add(dict(found[key])) for key in keys]
 
 
@@ -103,17 +103,13 @@ def _binary_cursor():
     return connection.make_debug_cursor(raw) if connection.queries_logged else connection.make_cursor(raw)
 
 
-def _series_batch(run: Run, keys: list[str], buckets: int) -> dict[str, dict[str, Any]]:
-    """:func:`_series_read`, shared through the cache for ``settings.SERIES_CACHE_S`` seconds
-    (one entry per run, keys and buckets). Callers reach it only for runs the user may read."""
-    return _series_batches([run], keys, buckets)[run.id]
-
-
 def _series_batches(runs: list[Run], keys: list[str],
                     buckets: int) -> dict[int, dict[str, dict[str, Any]]]:
-    """:func:`_series_batch` for several runs: their entries come in one round trip to the
-    cache (a comparison's 8 runs took 8, each a wait when the host is busy), the runs missing
-    are read and stored in one more."""
+    """:func:`_series_read` for each run, shared through the cache for
+    ``settings.SERIES_CACHE_S`` seconds (one entry per run, keys and buckets). Callers reach it
+    only for runs the user may read. The entries come in one round trip to the cache (a
+    comparison's 8 runs took 8, each a wait when the host is busy), the runs missing are read
+    and stored in one more."""
     ttl = settings.SERIES_CACHE_S
     if ttl <= 0:
         return {r.id: _series_read(r, keys, buckets) for r in runs}
