@@ -70,22 +70,28 @@ vm_up() {
   vm_unpack || echo "services: the cgroup v2 VM test's tools are missing; that test will skip"
 }
 vm_unpack() (
-  set -e
+  # Each step checks its own exit: set -e does not hold in a function called as `vm_unpack ||`,
+  # and a half-unpacked kernel (no modules.dep) must not be left looking finished.
   if ! command -v qemu-system-x86_64 >/dev/null; then
     echo "services: installing qemu (the cgroup v2 VM test)"
-    apt_install --no-install-recommends qemu-system-x86
+    apt_install --no-install-recommends qemu-system-x86 || exit 1
+  fi
+  if ! command -v depmod >/dev/null; then  # a slim image has no kmod; qemu does not pull it in
+    echo "services: installing kmod (depmod indexes the VM kernel's modules)"
+    apt_install --no-install-recommends kmod || exit 1
   fi
   ls "$VM_DIR"/lib/modules/*/modules.dep "$VM_DIR"/bin/busybox >/dev/null 2>&1 && exit 0
-  if [ "$APT_UPDATED" = 0 ]; then apt-get update -qq; fi
+  if [ "$APT_UPDATED" = 0 ]; then apt-get update -qq || exit 1; fi
   local kernel
   kernel=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/ {print $2; exit}')
+  [ -n "$kernel" ] || exit 1
   echo "services: unpacking $kernel and busybox-static into $VM_DIR (the cgroup v2 VM test)"
-  local tmp; tmp=$(mktemp -d) && chmod 777 "$tmp"  # apt-get download writes as _apt
+  local tmp; tmp=$(mktemp -d) && chmod 777 "$tmp" || exit 1  # apt-get download writes as _apt
   trap 'rm -rf "$tmp"' EXIT
-  (cd "$tmp" && apt-get download -qq "$kernel" busybox-static)
-  rm -rf "$VM_DIR.tmp" && mkdir -p "$VM_DIR.tmp"
-  for deb in "$tmp"/*.deb; do dpkg-deb -x "$deb" "$VM_DIR.tmp"; done
-  depmod -b "$VM_DIR.tmp" "$(ls "$VM_DIR.tmp/lib/modules")"
+  (cd "$tmp" && apt-get download -qq "$kernel" busybox-static) || exit 1
+  rm -rf "$VM_DIR.tmp" && mkdir -p "$VM_DIR.tmp" || exit 1
+  for deb in "$tmp"/*.deb; do dpkg-deb -x "$deb" "$VM_DIR.tmp" || exit 1; done
+  depmod -b "$VM_DIR.tmp" "$(ls "$VM_DIR.tmp/lib/modules")" || exit 1
   rm -rf "$VM_DIR" && mv "$VM_DIR.tmp" "$VM_DIR"
 )
 

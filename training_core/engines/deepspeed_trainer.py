@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from training_core import weight_files
 from training_core.api import TrainBatch
 from training_core.checkpoint import COMPLETE
 from training_core.engines.prefix_tree import (
@@ -333,43 +333,36 @@ class DeepSpeedTrainer:
 
     # ---- weights and checkpoints ------------------------------------------------------------
 
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self, *, cast: bool = True) -> dict[str, torch.Tensor]:
         """The full weights the rollout servers load, in ``state_dict`` order, on the trainer's
         device and in the dtype the servers serve (bf16 runs: a bf16 copy of the fp32 master
-        weights); a tied ``lm_head.weight`` is left out (the servers re-tie on load). A
-        collective under ZeRO-3 (every rank gathers and gets copies); under ZeRO 0-2 in fp32
-        views of the live parameters, valid until the next update."""
+        weights; ``cast=False``: fp32 views where no copy is made anyway, for a writer that casts
+        on its way to disk); a tied ``lm_head.weight`` is left out (the servers re-tie on load).
+        A collective under ZeRO-3 (every rank gathers and gets copies); under ZeRO 0-2 views of
+        the live parameters, valid until the next update."""
         module = self.engine.module
-        cast = self.serve_dtype
+        cast_to = self.serve_dtype
         if self.zero_stage == 3:
             import deepspeed
 
             # One copy each, already in the served dtype: the gathered tensors go at block's end.
             with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                state = {k: v.detach().to(cast or v.dtype, copy=True)
+                state = {k: v.detach().to(cast_to or v.dtype, copy=True)
                          for k, v in module.state_dict().items()}
         else:
-            state = {k: v.detach() if cast is None else v.detach().to(cast)
+            state = {k: v.detach() if cast_to is None or not cast else v.detach().to(cast_to)
                      for k, v in module.state_dict().items()}
         if self.tied:
             state.pop("lm_head.weight", None)
         return state
 
-    def save_weights(self, path: str | Path) -> Path:
-        """Write safetensors the rollout servers load (atomic: tmp dir, then rename)."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        state = self.weights()  # every rank takes part (ZeRO-3 gathers)
+    def save_weights(self, path: str | Path, *, spare: str | Path | None = None) -> Path:
+        """Write safetensors the rollout servers load (whole or not at all); over ``spare``'s
+        file where it can be reused (weight_files.save)."""
+        state = self.weights(cast=False)  # every rank takes part (ZeRO-3 gathers)
         if rank_and_world()[0] != 0:
-            return path
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file({k: v.cpu().contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
-        return path
+            return Path(path)
+        return weight_files.save(path, state, dtype=self.serve_dtype, spare=spare)
 
     def save_checkpoint(self, ckpt_dir: str | Path, tag: str, client_state: dict[str, Any]) -> Path:
         state = dict(client_state)

@@ -43,12 +43,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
+from training_core import weight_files
 from training_core.allocator import retain_freed_memory
 from training_core.engines.fused_decode import FUSED_DECODE_ENV, FusedDecoder, supports
 from training_core.engines.packed_linear import can_pack, pack_linears, repack
@@ -126,6 +125,9 @@ class GenerationEngine:
         self._pause_requests: list[tuple[str, threading.Event]] = []
         self._weight_requests: list[_WeightRequest] = []
         self._flat_buffers: list[torch.Tensor] = []  # see _staging
+        # Shared locks on the weight files the parameters map (weight_files: a writer must not
+        # overwrite them while they serve)
+        self._held: weight_files.Held | None = None
         self._stop = False
         self._last_arrival = 0.0
         self.threads = torch.get_num_threads()  # what the engine thread decodes with
@@ -214,14 +216,8 @@ class GenerationEngine:
     def update_weights(self, path: str, version: str | None, *, abort_first: bool = False,
                        flush_cache: bool = True) -> dict:
         """SGLang's ``/update_weights_from_disk``: every ``*.safetensors`` in ``path``."""
-        def read() -> dict[str, torch.Tensor]:
-            files = sorted(Path(path).glob("*.safetensors"))
-            if not files:
-                raise WeightLoadError(f"no *.safetensors in {path}")
-            state: dict[str, torch.Tensor] = {}
-            for f in files:
-                state.update(load_file(str(f), device=str(self.device)))
-            return state
+        def read() -> tuple[dict[str, torch.Tensor], weight_files.Held]:
+            return weight_files.load(path, self.device)
 
         return self._weight_update(_WeightRequest(read, version, abort_first, path, model_path=path,
                                                   flush_cache=flush_cache))
@@ -241,7 +237,7 @@ class GenerationEngine:
             unflatten,
         )
 
-        def receive() -> dict[str, torch.Tensor]:
+        def receive() -> tuple[dict[str, torch.Tensor], None]:
             try:
                 kinds = [_dtype(d) for d in dtypes]
                 if flattened:
@@ -253,8 +249,8 @@ class GenerationEngine:
                                for k, shape in zip(kinds, shapes, strict=True)]
                     broadcast_from_trainer(group, tensors)
             except (TypeError, ValueError) as exc:
-                raise WeightLoadError(f"cannot allocate the announced tensors: {exc}") from exc
-            return dict(zip(names, tensors, strict=True))
+                raise weight_files.WeightLoadError(f"cannot allocate the announced tensors: {exc}") from exc
+            return dict(zip(names, tensors, strict=True)), None
 
         return self._weight_update(_WeightRequest(receive, version, abort_first, "the trainer",
                                                   flush_cache=flush_cache))
@@ -293,6 +289,8 @@ class GenerationEngine:
             self._stop = True
             self._cond.notify()
         self._thread.join(timeout=10)
+        if self._held is not None and not self._thread.is_alive():  # nothing serves from them now
+            self._held.release()
 
     # ---- engine thread -----------------------------------------------------------------------
 
@@ -417,8 +415,8 @@ class GenerationEngine:
 
     def _load_weights(self, req: _WeightRequest) -> dict:
         try:
-            state = req.read()
-        except WeightLoadError as exc:
+            state, held = req.read()
+        except weight_files.WeightLoadError as exc:
             return {"success": False, "message": str(exc)}
         except Exception as exc:  # a broken broadcast, an unreadable file: the reply says so
             log.exception("weight update from %s failed", req.source)
@@ -440,6 +438,10 @@ class GenerationEngine:
             repack(self.model)
         if self._fused is not None:
             self._fused.refresh()
+        # The parameters now map the new file (or the received buffers): the old file's lock goes
+        if self._held is not None:
+            self._held.release()
+        self._held = held
         if req.version is not None:
             self.weight_version = req.version
         if req.model_path is not None:
@@ -526,10 +528,6 @@ class GenerationEngine:
             self._next_pos, self._last = self._next_pos[idx], self._last[idx]
 
 
-class WeightLoadError(RuntimeError):
-    """A weight update that cannot be applied (the reply says why; the old weights stay)."""
-
-
 def _dtype(name: str) -> torch.dtype:
     # SGLang's dtypes are torch's names without the "torch." prefix ("bfloat16", "float32").
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
@@ -540,7 +538,8 @@ def _dtype(name: str) -> torch.dtype:
 
 @dataclass
 class _WeightRequest:
-    read: Callable[[], dict[str, torch.Tensor]]  # runs on the engine thread, under the lock
+    # runs on the engine thread, under the lock: the tensors, and the locks on the files they map
+    read: Callable[[], tuple[dict[str, torch.Tensor], weight_files.Held | None]]
     version: str | None
     abort_first: bool
     source: str  # for messages
