@@ -220,7 +220,7 @@ def restore(trainer: TrainEngine, run_dir: Path, sync: WeightSync) -> Resumed | 
     if not found:
         return None
     state = trainer.load_checkpoint(checkpoint_dir(run_dir), found[1])
-    sync.export(trainer, state["version"])
+    sync.export(trainer, state["version"], resumed=True)
     return Resumed(state["version"], state["step"] + 1, state, found[1])
 
 

@@ -1,11 +1,18 @@
 """Weight folders on disk (safetensors), written by the trainer and loaded by the rollout engines,
 and the lock that lets the trainer write a new version over a retired one.
 
-Why overwrite: writing SmolLM2's 540 MB (fp32) into a new file took 0.2-1.6 s (median 0.86 s)
-on a 2-core VM, because every page of the page cache is allocated and zeroed and dirty-page
-writeback competes with the writer; the same bytes written over a file whose pages are still
-cached took 0.1 s (bf16: 0.43 against 0.10 s). So the ``disk`` sync keeps one retired version
-as a spare (weight_sync.DiskSync) and :func:`save` casts the next version straight into it.
+Why overwrite: writing SmolLM2's 540 MB (fp32) into a new file took 0.2-2.3 s on 2-core VMs,
+because every page of the page cache is allocated and zeroed and dirty-page writeback competes
+with the writer; the same bytes written over a file whose pages are still cached took 0.1-0.2 s
+(benchmarks/weight_sync.py, ``disk_fresh_export_s`` against ``disk_export_s``: 2.27 against
+0.19 s; in a training run 0.7-2.0 against 0.13-0.36 s a step). So the ``disk`` sync keeps one
+retired version as a spare (weight_sync.DiskSync) and :func:`save` writes the next version over
+it, casting fp32 master weights on the way where the trainer has not made a copy already.
+
+Durability: the bytes are not flushed before the rename (neither were a new file's). A process
+crash is safe; after a machine crash a folder written in place may hold bytes of an older
+version, so a resumed run removes the folders (DiskSync) and exports its checkpoint's weights
+anew.
 
 Why a lock: safetensors' ``load_file`` maps the file, and the engine takes the mapped tensors as
 its parameters (``load_state_dict(assign=True)``, no copy), so a loaded file is read for as long
@@ -13,7 +20,9 @@ as its weights serve, not only while it loads. Every reader here holds a shared 
 file for as long as its tensors may be in use (:func:`load` returns a :class:`Held`); the writer
 takes the exclusive lock without waiting and writes a new file when it cannot have it. SGLang
 itself copies weights into its own parameters as it loads them, and a spare is two pushes old
-before it is reused.
+before it is reused. The lock reaches readers on other machines only where the shared file
+system passes ``flock`` between them (NFSv4 does; a ``local_lock`` mount does not); where
+``flock`` fails outright, readers copy the weights and the writer never reuses a file.
 """
 
 from __future__ import annotations
@@ -48,6 +57,15 @@ class Held:
     def add(self, file: IO[bytes]) -> None:
         self._files.append(file)
 
+    @staticmethod
+    def merge(*helds: Held | None) -> Held:
+        """One holder of all their locks (the parameters map files of each)."""
+        out = Held()
+        for h in helds:
+            if h is not None:
+                out._files.extend(h._files)
+        return out
+
     def release(self) -> None:
         for f in self._files:
             f.close()  # closing the last descriptor drops the flock
@@ -57,7 +75,9 @@ class Held:
 def load(folder: str | Path, device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], Held]:
     """Every ``*.safetensors`` in ``folder``, each read while this process holds a shared lock
     on it, and the locks (keep them while the tensors serve). The file is read through the
-    descriptor that holds the lock, so a folder replaced meanwhile cannot slip in another file."""
+    descriptor that holds the lock, and a file retired while this waited for the lock is
+    refused, so no other version's bytes slip in. On a file system without ``flock`` the
+    tensors are copied out of the file instead, and nothing is held."""
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise WeightLoadError(f"no *.safetensors in {folder}")
@@ -68,12 +88,35 @@ def load(folder: str | Path, device: str | torch.device = "cpu") -> tuple[dict[s
         for path in files:
             f = open(path, "rb")  # noqa: SIM115 - kept open in `held`
             held.add(f)
-            fcntl.flock(f, fcntl.LOCK_SH)
-            state.update(load_file(f"/proc/self/fd/{f.fileno()}", device=str(device)))
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH)
+            except OSError:  # ENOLCK, EOPNOTSUPP: unlockable, so never mapped while it serves
+                state.update({k: v.clone() for k, v in
+                              load_file(_through(f, path), device=str(device)).items()})
+                continue
+            if not _same_file(f, path):
+                raise WeightLoadError(f"{path} was replaced while waiting to read it; "
+                                      "load the current version")
+            state.update(load_file(_through(f, path), device=str(device)))
     except BaseException:
         held.release()
         raise
     return state, held
+
+
+def _same_file(f: IO[bytes], path: Path) -> bool:
+    try:
+        now = os.stat(path)
+    except OSError:
+        return False
+    mine = os.fstat(f.fileno())
+    return (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino)
+
+
+def _through(f: IO[bytes], path: Path) -> str:
+    """A name that opens the very file ``f`` is (Linux), else its path."""
+    fd_link = f"/proc/self/fd/{f.fileno()}"
+    return fd_link if os.path.exists(fd_link) else str(path)
 
 
 def save(folder: str | Path, state: dict[str, torch.Tensor], *, dtype: torch.dtype | None = None,
@@ -86,9 +129,13 @@ def save(folder: str | Path, state: dict[str, torch.Tensor], *, dtype: torch.dty
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if spare is not None and overwrite(Path(spare) / FILE, state, dtype):
-        Path(spare).rename(tmp)
-    else:
+    reused = spare is not None and overwrite(Path(spare) / FILE, state, dtype)
+    if reused:
+        try:
+            Path(spare).rename(tmp)
+        except OSError:  # e.g. a file system that keeps a removed open file as .nfsXXXX
+            reused = False
+    if not reused:
         from safetensors.torch import save_file
 
         tmp.mkdir(parents=True)
@@ -102,8 +149,9 @@ def save(folder: str | Path, state: dict[str, torch.Tensor], *, dtype: torch.dty
 def overwrite(path: Path, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> bool:
     """Write ``state`` over the safetensors file ``path`` in place, each tensor cast on the way
     into the file's own bytes, under an exclusive lock taken without waiting. False, with the
-    file untouched, where it is missing, held by a reader, or not laid out for exactly these
-    names, dtypes and shapes."""
+    file untouched, where it is missing, held by a reader, on a file system without ``flock``,
+    or not laid out for exactly these names, dtypes and shapes (back to back, aligned, nothing
+    else in the file)."""
     try:
         f = open(path, "r+b")  # noqa: SIM115 - closed below
     except OSError:
@@ -111,7 +159,7 @@ def overwrite(path: Path, state: dict[str, torch.Tensor], dtype: torch.dtype | N
     with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError:  # held (EWOULDBLOCK), or no flock here: never write under a reader
             return False
         layout = _layout(f, state, dtype)
         if layout is None:
@@ -121,6 +169,8 @@ def overwrite(path: Path, state: dict[str, torch.Tensor], dtype: torch.dtype | N
             try:
                 for name, (start, end, kind) in layout.items():
                     data[start:end].view(kind).view(state[name].shape).copy_(state[name])
+            except RuntimeError:  # left half written: it is only the spare, a new file follows
+                return False
             finally:
                 del data  # the map cannot close while a tensor still points into it
     return True
@@ -129,7 +179,8 @@ def overwrite(path: Path, state: dict[str, torch.Tensor], dtype: torch.dtype | N
 def _layout(f: IO[bytes], state: dict[str, torch.Tensor],
             dtype: torch.dtype | None) -> dict[str, tuple[int, int, torch.dtype]] | None:
     """Each tensor's byte range in the file and its dtype, when the file's header describes
-    exactly ``state`` (cast to ``dtype``) within the file's size; otherwise None."""
+    exactly ``state`` (cast to ``dtype``), the tensors back to back from the header's end to the
+    file's, each aligned to its element size (safetensors' own rules); otherwise None."""
     size = os.fstat(f.fileno()).st_size
     head = f.read(8)
     if len(head) < 8:
@@ -157,7 +208,13 @@ def _layout(f: IO[bytes], state: dict[str, torch.Tensor],
                 and all(isinstance(o, int) and o >= 0 for o in offsets)):
             return None
         start, end = (8 + n + o for o in offsets)
-        if end - start != want.numel() * kind.itemsize or end > size:
+        if end - start != want.numel() * kind.itemsize or start % kind.itemsize:
             return None
         layout[name] = (start, end, kind)
-    return layout
+    # Back to back and whole: no overlap (one tensor's bytes written under another's name)
+    edge = 8 + n
+    for start, end, _ in sorted(layout.values()):
+        if start != edge:
+            return None
+        edge = end
+    return layout if edge == size else None

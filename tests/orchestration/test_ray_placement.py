@@ -59,7 +59,7 @@ def cluster():
                                  "--num-cpus", "4", "--num-gpus", "8",
                                  "--labels", f"{NODE_LABEL}=node-{i}"], root, f"node-{i}"))
         address = f"ray://127.0.0.1:{client}"
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 180  # 30 s per node on a loaded 2-core host
         while True:
             try:
                 ray.init(address=address, logging_level="ERROR", log_to_driver=False)

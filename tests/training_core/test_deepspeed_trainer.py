@@ -91,7 +91,12 @@ def test_zero_stages_give_the_same_update_on_cpu(tiny_model_dir, tmp_path):
         b.behav_logp = prox.clone()
         stats = t.train_step(b, prox, loss_fn)
         delta = ((t.logprobs(b) - prox) * b.loss_mask).sum(-1)
-        exported = load_file(str(t.save_weights(tmp_path / f"z{stage}") / "model.safetensors"))
+        # Each stage's export written over the stage before's folder (weight_files' spare)
+        spare = tmp_path / f"z{stage - 1}" if stage else None
+        inode = (spare / "model.safetensors").stat().st_ino if spare else None
+        folder = t.save_weights(tmp_path / f"z{stage}", spare=spare)
+        assert inode is None or (folder / "model.safetensors").stat().st_ino == inode
+        exported = load_file(str(folder / "model.safetensors"))
         results[stage] = (stats["grad_norm"], delta, exported["model.norm.weight"])
     g0, d0, w0 = results[0]
     for stage in (1, 2, 3):

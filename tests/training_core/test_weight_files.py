@@ -5,6 +5,7 @@ files, real flocks, the real embedded engine on the tiny model, the real DeepSpe
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -47,7 +48,19 @@ def test_a_spare_of_the_same_tensors_is_written_over_in_place_and_cast_on_the_wa
     assert all(torch.equal(got[k], ref[k]) for k in ref)
 
 
-@pytest.mark.parametrize("change", ["shape", "dtype", "names", "garbage", "empty", "offsets"])
+def _raw_safetensors(path: Path, entries: dict[str, tuple[str, list[int], list[int]]],
+                     data: bytes, start: int = 0) -> None:
+    """A safetensors file written by hand: name -> (dtype, shape, data_offsets); its data
+    begins ``start`` bytes past a multiple of 8."""
+    header = json.dumps({k: {"dtype": d, "shape": s, "data_offsets": o}
+                         for k, (d, s, o) in entries.items()}).encode()
+    header += b" " * ((start - 8 - len(header)) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "names", "garbage", "empty", "offsets",
+                                    "misaligned", "overlapping"])
 def test_a_spare_laid_out_for_other_tensors_is_left_alone_and_a_new_file_written(tmp_path, change):
     spare = tmp_path / "spare"
     state = _state(2)
@@ -57,6 +70,16 @@ def test_a_spare_laid_out_for_other_tensors_is_left_alone_and_a_new_file_written
         weight_files.save(spare, state, dtype=torch.bfloat16)
     elif change == "names":
         weight_files.save(spare, {**state, "extra": torch.zeros(1)})
+    elif change in ("misaligned", "overlapping"):
+        sizes = {k: v.numel() * 4 for k, v in state.items()}
+        entries, edge = {}, 0
+        for k, v in state.items():
+            entries[k] = ("F32", list(v.shape), [edge, edge + sizes[k]])
+            edge += sizes[k] if change == "misaligned" or k != "a.weight" else 0
+        if change == "misaligned":  # the data 2 bytes past an 8-byte boundary: no fp32 view
+            _raw_safetensors(spare / weight_files.FILE, entries, bytes(edge), start=2)
+        else:  # a.weight and b.bias start at the same byte
+            _raw_safetensors(spare / weight_files.FILE, entries, bytes(edge))
     else:
         weight_files.save(spare, state)
         raw = (spare / weight_files.FILE).read_bytes()
@@ -160,9 +183,63 @@ def test_disk_sync_keeps_two_versions_and_writes_the_third_over_the_spare(tiny_m
             kept = [v for v in (version - 1, version) if v >= 1]
             assert [v for v, _ in pushed_weights(tmp_path)] == kept
             assert engine.model.model.norm.weight.eq(float(version)).all()
-        # v1 and v2 went to new files; from v3 on each export reuses the version three back
+        # v1-v3 went to new files (no spare before the push of v3); v4 reuses v1, v5 v2
         assert len({inodes[1], inodes[2], inodes[3]}) == 3
         assert inodes[4] == inodes[1] and inodes[5] == inodes[2]
         assert (tmp_path / "weights" / SPARE).exists()
     finally:
         engine.shutdown()
+
+
+def test_a_refused_load_holds_nothing(tiny_model_dir, tmp_path):
+    engine = GenerationEngine(str(tiny_model_dir))
+    try:
+        bad = {"model.norm.weight": torch.ones(3)}  # the tiny model's norm is wider
+        weight_files.save(tmp_path / "bad", bad)
+        result = engine.update_weights(str(tmp_path / "bad"), "1")
+        assert not result["success"] and "shape mismatch" in result["message"]
+        assert weight_files.overwrite(tmp_path / "bad" / weight_files.FILE, bad)
+    finally:
+        engine.shutdown()
+
+
+def test_a_partial_load_keeps_the_old_file_held_and_shutdown_lets_all_go(tiny_model_dir, tmp_path):
+    """Parameters a partial update leaves alone still map the old file: it stays held until a
+    whole load replaces them, and every file is free once the engine shuts down."""
+    engine = GenerationEngine(str(tiny_model_dir))
+    whole = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    if not engine.model.config.tie_word_embeddings:
+        whole["lm_head.weight"] = engine.model.lm_head.weight.clone()
+    v1, part, v2 = (tmp_path / n for n in ("v1", "part", "v2"))
+    weight_files.save(v1, whole)
+    weight_files.save(part, {"model.norm.weight": whole["model.norm.weight"] + 1})
+    weight_files.save(v2, whole)
+    try:
+        assert engine.update_weights(str(v1), "1")["success"]
+        assert engine.update_weights(str(part), "2")["success"]
+        assert not weight_files.overwrite(v1 / weight_files.FILE, whole)  # embeddings map v1
+        assert not weight_files.overwrite(part / weight_files.FILE, {
+            "model.norm.weight": whole["model.norm.weight"]})
+        assert engine.update_weights(str(v2), "3")["success"]
+        assert weight_files.overwrite(v1 / weight_files.FILE, whole)
+        assert weight_files.overwrite(part / weight_files.FILE, {
+            "model.norm.weight": whole["model.norm.weight"]})
+        assert not weight_files.overwrite(v2 / weight_files.FILE, whole)
+    finally:
+        engine.shutdown()
+    assert weight_files.overwrite(v2 / weight_files.FILE, whole)
+
+
+def test_a_resumed_export_starts_the_folders_afresh(tiny_model_dir, tmp_path):
+    from training_core.engines.deepspeed_trainer import DeepSpeedTrainer
+
+    trainer = DeepSpeedTrainer(tiny_model_dir, lr=1e-3, weight_decay=0.0, grad_clip=1.0,
+                               zero_stage=0)
+    sync = DiskSync(tmp_path / "weights")
+    for version in (3, 4, 5):
+        sync.export(trainer, version)
+    (tmp_path / "weights" / SPARE).mkdir()
+    (tmp_path / "weights" / "v9.tmp").mkdir()
+    sync.export(trainer, 4, resumed=True)  # a checkpoint of version 4
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v4"]
+    asyncio.run(sync.close(None))

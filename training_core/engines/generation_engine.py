@@ -162,6 +162,10 @@ class GenerationEngine:
         self.model = load_model(self.model_path, self.dtype).to(self.device).eval()
         # On CPU: weights packed once for oneDNN, not on every call (packed_linear.py).
         self._packed = can_pack(self.model, self.device) and pack_linears(self.model) > 0
+        if self.device.type == "cpu" and self.dtype == "bfloat16" and not self._packed:
+            log.warning("model.dtype bfloat16 on a CPU whose oneDNN has no bf16 path (it needs "
+                        "AVX512-BF16, AMX or AVX-NE-CONVERT): bf16 products are emulated, unpacked "
+                        "and unfused, so float32 is likely the faster choice on this machine")
         # Masks are prepared here (4D booleans) and attention runs through slot_cache's. A
         # sliding window goes into those masks (prefix_tree.layer_masks), checked here: a model
         # whose attention they cannot express fails at start, not at its first request.
@@ -423,25 +427,34 @@ class GenerationEngine:
             return {"success": False, "message": f"{type(exc).__name__}: {exc}"}
         own = self.model.state_dict()
         unexpected = [k for k in state if k not in own]
-        if unexpected:
-            return {"success": False, "message": f"unexpected tensors {unexpected[:5]}"}
-        mismatched = [k for k, v in state.items() if v.shape != own[k].shape]
-        if mismatched:
-            return {"success": False, "message": f"shape mismatch for {mismatched[:5]}"}
+        mismatched = [k for k, v in state.items() if k in own and v.shape != own[k].shape]
+        if unexpected or mismatched:
+            if held is not None:  # nothing of that file will serve
+                held.release()
+            return {"success": False, "message": f"unexpected tensors {unexpected[:5]}"
+                    if unexpected else f"shape mismatch for {mismatched[:5]}"}
         # assign: the received (or read) tensors become the parameters, no second copy. A server
         # in another dtype than the trainer casts (as SGLang's load_weights does).
         state = {k: v if v.dtype == own[k].dtype else v.to(own[k].dtype) for k, v in state.items()}
-        self.model.load_state_dict(state, strict=False, assign=True)
-        if getattr(self.model.config, "tie_word_embeddings", False):
-            self.model.tie_weights()
-        if self._packed:
-            repack(self.model)
-        if self._fused is not None:
-            self._fused.refresh()
-        # The parameters now map the new file (or the received buffers): the old file's lock goes
-        if self._held is not None:
+        # Which files the parameters map afterwards: the new one alone when every parameter was
+        # replaced (a tied lm_head follows the embedding), else the old ones too.
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        whole = own.keys() - {"lm_head.weight"} <= state.keys() if tied else own.keys() <= state.keys()
+        try:
+            self.model.load_state_dict(state, strict=False, assign=True)
+            if tied:
+                self.model.tie_weights()
+            if self._packed:
+                repack(self.model)
+            if self._fused is not None:
+                self._fused.refresh()
+        except Exception as exc:  # the parameters may be half replaced: both files stay held
+            log.exception("applying the weights from %s failed", req.source)
+            self._held = weight_files.Held.merge(self._held, held)
+            return {"success": False, "message": f"{type(exc).__name__}: {exc}"}
+        if whole and self._held is not None:
             self._held.release()
-        self._held = held
+        self._held = held if whole else weight_files.Held.merge(self._held, held)
         if req.version is not None:
             self.weight_version = req.version
         if req.model_path is not None:
