@@ -90,14 +90,14 @@ def load(folder: str | Path, device: str | torch.device = "cpu") -> tuple[dict[s
             held.add(f)
             try:
                 fcntl.flock(f, fcntl.LOCK_SH)
+                locked = True
             except OSError:  # ENOLCK, EOPNOTSUPP: unlockable, so never mapped while it serves
-                state.update({k: v.clone() for k, v in
-                              load_file(_through(f, path), device=str(device)).items()})
-                continue
-            if not _same_file(f, path):
+                locked = False
+            if locked and not _same_file(f, path):
                 raise WeightLoadError(f"{path} was replaced while waiting to read it; "
                                       "load the current version")
-            state.update(load_file(_through(f, path), device=str(device)))
+            tensors = load_file(_through(f, path), device=str(device))
+            state.update(tensors if locked else {k: v.clone() for k, v in tensors.items()})
     except BaseException:
         held.release()
         raise

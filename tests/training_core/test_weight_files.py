@@ -243,3 +243,25 @@ def test_a_resumed_export_starts_the_folders_afresh(tiny_model_dir, tmp_path):
     sync.export(trainer, 4, resumed=True)  # a checkpoint of version 4
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v4"]
     asyncio.run(sync.close(None))
+
+
+def test_without_flock_readers_copy_and_no_file_is_written_over(tmp_path, monkeypatch):
+    """A file system that refuses flock (ENOLCK: NFSv3 without a lock daemon) cannot exist on
+    this machine, so flock is made to refuse as it would there."""
+    import errno
+
+    weight_files.save(tmp_path / "v1", _state(8))
+
+    def refuse(*_):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(weight_files.fcntl, "flock", refuse)
+    tensors, held = weight_files.load(tmp_path / "v1")
+    first = {k: v.clone() for k, v in tensors.items()}
+    assert not weight_files.overwrite(tmp_path / "v1" / weight_files.FILE, _state(9))
+    raw = bytearray((tmp_path / "v1" / weight_files.FILE).read_bytes())
+    raw[-64:] = bytes(64)  # the file changed behind the reader's back
+    with open(tmp_path / "v1" / weight_files.FILE, "r+b") as f:
+        f.write(raw)
+    assert all(torch.equal(tensors[k], first[k]) for k in first)  # copies, not the mapped file
+    held.release()
