@@ -67,6 +67,8 @@ def main() -> int:
 
     print("1/4 web app: migrating SQLite and creating the demo user", flush=True)
     sh("manage.py", "migrate", "--verbosity", "0", env=env)
+    # The worker and the web app start together below; their broker's queue must exist first.
+    sh("manage.py", "oolong_broker", "--verbosity", "0", env=env)
     token, project_id = sh("manage.py", "oolong_user", "demo", "oolong-demo", env=env, capture_output=True,
                            text=True).stdout.split()
     web = subprocess.Popen([sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}", "--noreload"],

@@ -24,6 +24,21 @@ app.conf.beat_schedule = {
 }
 
 
+def broker_prepare() -> list[str]:
+    """Declare the app's queues once, before several processes share a fresh broker; returns their names.
+
+    Kombu's SQLAlchemy transport (the local SQLite broker) creates a queue's row on first use
+    with a check-then-insert guarded by a lock of one process only. A worker and the web app
+    starting together race on it, and the loser's publish fails with ``UNIQUE constraint failed:
+    kombu_queue.name`` (a 500 on the request that enqueued). On Redis this is a no-op.
+    """
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        for queue in app.amqp.queues.values():
+            queue(channel).declare()
+    return sorted(app.amqp.queues)
+
+
 def enqueue(task: str, *args: Any) -> None:
     """Send ``task`` (its registered name, e.g. ``oolong.run_submit``). Call it from
     ``transaction.on_commit`` so a worker never sees an id that is not committed yet."""
