@@ -79,6 +79,10 @@ class PlacementCancelled(Exception):
     """The run was cancelled while its placement waited (for nodes, or for free GPUs)."""
 
 
+CONNECT_ATTEMPTS = 3
+CONNECT_PAUSE_S = 5.0
+
+
 def connect(address: str) -> None:
     """Connect, or reconnect when the session is broken: a recovery may find the cluster
     restarted (its head's unit restarts it), and the session kept from before dead."""
@@ -91,8 +95,19 @@ def connect(address: str) -> None:
         except Exception as exc:  # noqa: BLE001 - any failure: a new session
             log.warning("Ray session lost (%s): connecting again", exc)
             ray.shutdown()
-    ray.init(address=address, namespace="oolong", log_to_driver=False,
-             logging_level="ERROR", configure_logging=False)
+    for attempt in range(CONNECT_ATTEMPTS):
+        try:
+            ray.init(address=address, namespace="oolong", log_to_driver=False,
+                     logging_level="ERROR", configure_logging=False)
+            return
+        except ConnectionError as exc:
+            # The Ray client's proxier starts a server per client; on a loaded head that server
+            # can die while starting, and the next one usually comes up.
+            if attempt + 1 == CONNECT_ATTEMPTS:
+                raise
+            log.warning("Ray connection to %s failed (%s): trying again", address, exc)
+            ray.shutdown()
+            time.sleep(CONNECT_PAUSE_S)
 
 
 def ray_nodes(wanted: list[int], *, timeout_s: float,

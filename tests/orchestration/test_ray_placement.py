@@ -251,3 +251,33 @@ def test_releasing_never_raises_when_the_session_is_gone(cluster):
     finally:
         ray.init(address=cluster, logging_level="ERROR", log_to_driver=False)
     assert _free_gpus(16) == 16
+
+
+def test_a_connection_that_fails_while_the_head_starts_its_server_is_tried_again(monkeypatch):
+    """The Ray client's proxier starts a server per client; on a loaded head that server can die
+    while starting (seen in the simulated cloud). ``connect`` tries again after a pause, and
+    gives up with the error after CONNECT_ATTEMPTS. ray.init is replaced: a head that fails this
+    way on demand cannot be made here, and a real refused connection takes ~30 s to fail."""
+    from orchestration import ray_placement
+
+    calls, pauses = [], []
+    outcomes = iter([ConnectionError("ray client server died"), None])
+
+    def init(**kwargs):
+        calls.append(kwargs["address"])
+        failure = next(outcomes)
+        if failure is not None:
+            raise failure
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(ray_placement.time, "sleep", pauses.append)
+    ray_placement.connect("ray://127.0.0.1:1")
+    assert calls == ["ray://127.0.0.1:1"] * 2 and pauses == [ray_placement.CONNECT_PAUSE_S]
+
+    calls.clear()
+    outcomes = iter([ConnectionError(f"died {i}") for i in range(ray_placement.CONNECT_ATTEMPTS)])
+    with pytest.raises(ConnectionError, match=f"died {ray_placement.CONNECT_ATTEMPTS - 1}"):
+        ray_placement.connect("ray://127.0.0.1:1")
+    assert len(calls) == ray_placement.CONNECT_ATTEMPTS
