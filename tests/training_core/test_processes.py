@@ -113,26 +113,54 @@ def test_an_embedded_fleet_does_not_inherit_secrets(tiny_model_dir, tmp_path, mo
     assert any(e.startswith(b"PATH=") for e in environ)
 
 
+def _free_window(n: int) -> int:
+    """The first of ``n`` consecutive ports that are free now, below the kernel's ephemeral range.
+
+    A fixed window raced: the platform lane's simulated cloud listens in 41000-41499, and any
+    outgoing connection may take an ephemeral port (32768-60999 by default) for a while."""
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    for low in range(21000, ephemeral_low - n, n):
+        socks = []
+        try:
+            for port in range(low, low + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("0.0.0.0", port))
+            return low
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    pytest.skip(f"no {n} consecutive free ports below {ephemeral_low}")
+
+
 def test_ports_come_from_the_nodes_open_range(monkeypatch):
     """Cloud nodes open a fixed port range to each other and the control plane; every port a
     run's process listens on (servers, rendezvous, weight group) is taken from it."""
     import socket
 
-    monkeypatch.setenv("OOLONG_PORT_RANGE", "41200-41203")
+    low = _free_window(4)
+    high = low + 3
+    span = f"{low}-{high}"
+    monkeypatch.setenv("OOLONG_PORT_RANGE", span)
     held = []
     try:
         for _ in range(4):
             port = free_port()
-            assert 41200 <= port <= 41203 and port not in [h.getsockname()[1] for h in held]
+            assert low <= port <= high and port not in [h.getsockname()[1] for h in held]
             s = socket.socket()
             s.bind(("0.0.0.0", port))
             held.append(s)
-        with pytest.raises(RuntimeError, match="no free port in OOLONG_PORT_RANGE=41200-41203"):
+        with pytest.raises(RuntimeError, match=f"no free port in OOLONG_PORT_RANGE={span}"):
             free_port()
     finally:
         for s in held:
             s.close()
-    monkeypatch.setenv("OOLONG_PORT_RANGE", "41200")
+    monkeypatch.setenv("OOLONG_PORT_RANGE", str(low))
     with pytest.raises(ValueError, match="expected LOW-HIGH"):
         free_port()
     assert "OOLONG_PORT_RANGE" in process_env(parent={"OOLONG_PORT_RANGE": "1-2", "SECRET": "x"})
