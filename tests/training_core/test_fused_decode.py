@@ -6,6 +6,7 @@ models it does not describe decode through transformers."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -141,3 +142,169 @@ def test_models_it_does_not_describe_decode_through_transformers(tiny_model_dir)
                     setattr(eng.model.config, k, v)
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_kernel_projections_decode_as_well_as_onednns_and_follow_a_weight_update(model, tiny_model_dir,
+                                                                                 request, monkeypatch):
+    """Where cpu_kernels has a projection kernel for this CPU (AMX's for 17+ rows, else AVX-512's,
+    here at every batch whether or not it outruns oneDNN's on this CPU: OOLONG_AVX512_LINEAR=1),
+    a bf16 batch decodes on it, and its step's logits are as close to the same
+    weights computed in fp32 as oneDNN's bf16 step is (their sums are taken in other orders, and
+    SiLU's exp is the kernel's own), before and after new weights, which its copies follow."""
+    from training_core.engines import cpu_kernels, fused_decode
+    from training_core.engines.packed_linear import pack_linears, repack
+    from training_core.engines.slot_cache import ATTENTION, SlotCache, forest_prefill
+
+    monkeypatch.setenv(cpu_kernels.AVX512_LINEAR_ENV, "1")
+    kernel = cpu_kernels.projections(torch.device("cpu"), torch.bfloat16)
+    if kernel is None:
+        pytest.skip("no projection kernel for this CPU (neither AMX-BF16 nor AVX-512 with BF16)")
+    model_dir = tiny_model_dir if model == "tiny" else request.getfixturevalue("smollm2_dir")
+    models = {}
+    for dtype in ("bfloat16", "float32"):  # fp32: the reference, over the same (bf16) values
+        lm = load_model(model_dir, "bfloat16").eval()
+        if dtype == "float32":
+            lm = lm.float()
+        pack_linears(lm)
+        lm.config._attn_implementation = ATTENTION
+        models[dtype] = (lm, fused_decode.FusedDecoder(lm))
+    lm, decoder = models["bfloat16"]
+    assert decoder._proj is not None and decoder._proj.name == kernel.name
+    vocab = lm.config.vocab_size
+    prompts = [[1, (7 + i) % vocab, 8, 9, (10 + 3 * i) % vocab][: 3 + i % 3] for i in range(20)]
+    calls = []
+
+    def step(dtype: str, on_kernel: bool = False) -> torch.Tensor:
+        calls.clear()
+        model, dec = models[dtype]
+        if dtype == "bfloat16":
+            dec._proj = dataclasses.replace(
+                kernel, min_rows=kernel.min_rows if on_kernel else 1 << 30,
+                linear=lambda *args: calls.append(args[3]) or kernel.linear(*args))
+        with torch.no_grad():
+            layers_kv, mask, last = forest_prefill(model, prompts, torch.device("cpu"))
+            slots = SlotCache(len(layers_kv), layers_kv[0][0].shape[1], layers_kv[0][0].shape[3],
+                              layers_kv[0][0].dtype, torch.device("cpu"),
+                              keys_transposed=dec.uses_kernels)
+            slots.join(layers_kv, mask, torch.arange(len(prompts)))
+            return dec(last.argmax(-1), mask.sum(-1), slots.decode_mask(), slots).float()
+
+    def as_close_as_onednn(on_kernel: torch.Tensor, onednn: torch.Tensor, ref: torch.Tensor) -> None:
+        assert (on_kernel - ref).abs().mean() <= 1.25 * (onednn - ref).abs().mean()
+        greedy = ref.argmax(-1)
+        assert (on_kernel.argmax(-1) == greedy).float().mean() >= (onednn.argmax(-1) == greedy).float().mean() - 0.1
+
+    before = step("bfloat16", on_kernel=True)
+    layers = lm.config.num_hidden_layers  # qkv, o, gate and up, down per layer, and lm_head
+    assert sorted(set(calls)) == ["add", "none", "silu_mul"] and len(calls) == 4 * layers + (
+        decoder._proj_head is not None)
+    onednn = step("bfloat16")
+    assert calls == []
+    as_close_as_onednn(before, onednn, step("float32"))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(2)
+        for p in lm.model.layers.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g).to(p.dtype))
+        ref = models["float32"][0]
+        ref.load_state_dict({k: v.float() for k, v in lm.state_dict().items()})
+    for model_, dec in models.values():
+        repack(model_)
+        dec.refresh()
+    after = step("bfloat16", on_kernel=True)
+    as_close_as_onednn(after, step("bfloat16"), step("float32"))
+    assert (after - before).abs().mean() > 0.05 * after.abs().mean(), "the kernel's copies must follow"
+
+
+@pytest.mark.parametrize("outcome", ["as_timed", "won_1_and_64", "won_none"])
+def test_a_measured_projection_kernel_decodes_only_at_the_batches_it_won(tiny_model_dir, monkeypatch,
+                                                                         outcome):
+    """Left to choose (OOLONG_AVX512_LINEAR unset), the decoder times the AVX-512 kernel against
+    oneDNN's on its own weights; it then decodes on the kernel exactly at the batch sizes it won,
+    and keeps no copy of the weights for it where it won none. The timing's outcome as it comes
+    on this CPU, and two set ones (a partial win, none). Either way the step is the same step:
+    its greedy tokens are transformers'."""
+    from training_core.engines import cpu_kernels, fused_decode
+    from training_core.engines.packed_linear import pack_linears
+    from training_core.engines.slot_cache import ATTENTION, SlotCache, forest_prefill
+
+    monkeypatch.delenv(cpu_kernels.AVX512_LINEAR_ENV, raising=False)
+    monkeypatch.setenv(cpu_kernels.AMX_ENV, "0")
+    offered = cpu_kernels.projections(torch.device("cpu"), torch.bfloat16)
+    if offered is None:
+        pytest.skip("no AVX-512 projection kernel for this CPU")
+    assert offered.measure
+    lm = load_model(tiny_model_dir, "bfloat16").eval()
+    pack_linears(lm)
+    lm.config._attn_implementation = ATTENTION
+    timed = []
+    real = cpu_kernels.measured
+
+    def measured(kernel, kernel_step, onednn_step):
+        timed.append(kernel.name)
+        for rows in (1, 64):  # the steps the decoder hands over run at any batch size
+            kernel_step(rows)
+            onednn_step(rows)
+        if outcome == "as_timed":
+            return real(kernel, kernel_step, onednn_step)
+        return (dataclasses.replace(kernel, measure=False, won=frozenset({1, 64}))
+                if outcome == "won_1_and_64" else None)
+
+    monkeypatch.setattr(cpu_kernels, "measured", measured)
+    dec = fused_decode.FusedDecoder(lm)
+    assert timed == [offered.name]
+    if outcome == "won_none":
+        assert dec._proj is None
+    if dec._proj is None:
+        assert dec._proj_layers == [] and dec._proj_head is None
+    else:
+        assert not dec._proj.measure and dec._proj.won <= set(cpu_kernels.CALIBRATION_ROWS)
+        assert len(dec._proj_layers) == lm.config.num_hidden_layers
+        real_linear = dec._proj.linear
+        dec._proj = dataclasses.replace(dec._proj, linear=lambda *a: calls.append(a[0].shape[0])
+                                        or real_linear(*a))
+    calls = []
+    for rows in (1, 5, 16, 70):
+        calls.clear()
+        prompts = [[1, 7 + i, 8, 9][: 2 + i % 3] for i in range(rows)]
+        with torch.no_grad():
+            layers_kv, mask, last = forest_prefill(lm, prompts, torch.device("cpu"))
+            slots = SlotCache(len(layers_kv), layers_kv[0][0].shape[1], layers_kv[0][0].shape[3],
+                              layers_kv[0][0].dtype, torch.device("cpu"),
+                              keys_transposed=dec.uses_kernels)
+            slots.join(layers_kv, mask, torch.arange(rows))
+            tokens = last.argmax(-1)
+            logits = dec(tokens, mask.sum(-1), slots.decode_mask(), slots)
+            full = [p + [int(t)] for p, t in zip(prompts, tokens, strict=True)]
+            _, _, reference = forest_prefill(lm, full, torch.device("cpu"))
+        on_kernel = dec._proj is not None and cpu_kernels._bucket(rows) in dec._proj.won
+        if outcome == "won_1_and_64":
+            assert on_kernel == (rows in (1, 70))
+        assert bool(calls) == on_kernel and set(calls) <= {rows}
+        assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+
+
+def test_measured_keeps_the_batch_sizes_where_the_kernel_was_faster(monkeypatch):
+    """cpu_kernels.measured on steps whose durations are set, on a clock of the test's own: the
+    kernel slower at 4 and 16 rows, faster elsewhere; then slower everywhere; then within the win
+    margin of oneDNN's time, which is no win."""
+    import types
+
+    from training_core.engines import cpu_kernels
+
+    now = [0.0]
+    monkeypatch.setattr(cpu_kernels, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def step(seconds):
+        return lambda rows: now.__setitem__(0, now[0] + seconds(rows))
+
+    offered = cpu_kernels.Projections("avx512", lambda w: w, lambda *a: None, measure=True)
+    onednn = step(lambda rows: 0.010)
+    chosen = cpu_kernels.measured(offered, step(lambda rows: 0.03 if rows in (4, 16) else 0.005),
+                                  onednn)
+    assert chosen.won == {1, 64} and not chosen.measure
+    assert [b for b in (1, 3, 4, 15, 16, 63, 64, 200) if chosen.serves(b)] == [1, 3, 64, 200]
+    assert chosen.describe() == "avx512 at 1-3, 64+ rows"
+    assert cpu_kernels.measured(offered, step(lambda rows: 0.02), onednn) is None
+    near_tie = step(lambda rows: 0.010 * (cpu_kernels.WIN_MARGIN + 0.01))
+    assert cpu_kernels.measured(offered, near_tie, onednn) is None

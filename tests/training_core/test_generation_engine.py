@@ -198,9 +198,11 @@ def test_sampled_tokens_follow_the_truncated_tempered_distribution_and_report_it
     assert counts[3, logits[3].argmax()] == draws
 
 
-def test_inverse_cdf_draws_give_every_token_its_own_probability_over_a_large_vocabulary():
-    """``draw`` is monotone in its uniform, so the set of uniforms drawing token i is an interval;
-    its width is the probability the sampler gives i. Over a large vocabulary with one likely
+@pytest.mark.parametrize("sampler", ["torch", "kernel"])
+def test_inverse_cdf_draws_give_every_token_its_own_probability_over_a_large_vocabulary(sampler):
+    """``draw`` (and cpu_kernels' sample, the same draw in one pass) is monotone in its uniform,
+    so the set of uniforms drawing token i is an interval; its width is the probability the
+    sampler gives i. Over a large vocabulary with one likely
     token and a long tail (a trained policy's shape), tail tokens and tokens at the two-level
     draw's block edges get their probability to 1e-5 relative. A CDF stored in float32 rounds
     near 1 to steps of 6e-8: tail tokens of ~1e-8 got twice their probability or none."""
@@ -216,12 +218,27 @@ def test_inverse_cdf_draws_give_every_token_its_own_probability_over_a_large_voc
     edges = torch.tensor([1, chunk - 1, chunk, chunk + 1, 7 * chunk, vocab - 1])
     pick = torch.cat([tail[torch.randperm(len(tail), generator=g)[:26]], edges])
 
+    if sampler == "kernel":
+        from training_core.engines import cpu_kernels
+
+        op = cpu_kernels.sample(torch.device("cpu"), torch.float32)
+        if op is None:
+            pytest.skip("no C++ toolchain to build cpu_kernels with")
+        batch = logits.expand(len(pick), -1).contiguous()  # the kernel takes the logits
+        ones = torch.ones(len(pick))
+
+        def drawn(u: torch.Tensor) -> torch.Tensor:
+            return op(batch, ones, u, chunk)[0]
+    else:
+        def drawn(u: torch.Tensor) -> torch.Tensor:
+            return generation_engine.draw(probs.expand(len(u), -1), u)
+
     def first_u_drawing_at_least(token: torch.Tensor) -> torch.Tensor:
         lo = torch.zeros(len(token), dtype=torch.float64)
         hi = torch.ones(len(token), dtype=torch.float64)
         for _ in range(56):  # bisection down to 2^-56
             mid = (lo + hi) / 2
-            reached = generation_engine.draw(probs.expand(len(token), -1), mid) >= token
+            reached = drawn(mid) >= token
             hi, lo = torch.where(reached, mid, hi), torch.where(reached, lo, mid)
         return hi
 

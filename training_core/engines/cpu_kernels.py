@@ -1,5 +1,7 @@
-"""The embedded engine's own CPU kernels (``kernels/decode_step.cpp``), built for this machine on
-first use: decode attention (with the rotary embedding and the cache write folded in) and RMSNorm.
+"""The embedded engine's own CPU kernels (``kernels/*.cpp``), built for this machine on first use:
+decode attention (with the rotary embedding and the cache write folded in), RMSNorm, sampling
+(``decode_step.cpp``), and the bf16 projections of a decode step: on CPUs with AMX
+(``amx_linear.cpp``), else on AVX-512 ones (``avx512_linear.cpp``); see fused_decode.py.
 
 Decode attention at a small batch is a poor fit for torch's CPU kernels: each (row, key head)
 is a [group, D] x [D, L] product, tiny for oneDNN's batched matmul, and the keys and values
@@ -10,7 +12,9 @@ keys or values serves every query head of the group, accumulators stay in regist
 columns left and right of a row are not read, scores stay in fp32 (torch's bf16 path rounds
 them to bf16 before the softmax), and the step's key is written into the cache (stored
 transposed, slot_cache.py) while its lines are being read anyway. RMSNorm was five to eight
-operators of a few microseconds each, 61 times a step.
+operators of a few microseconds each, 61 times a step. Sampling was five passes of torch over
+[64, 49,152] logits (the tempered softmax in fp32, block sums, cumulative sums, a gather): 3.3-3.9
+ms of a SmolLM2 bf16 step; one pass per row that stays in cache takes 0.7-1.0.
 
 The build is torch's own (``torch.utils.cpp_extension``, ninja, the system's C++ compiler) with
 ``-march=native``, into ``$OOLONG_CACHE/kernels/<key>`` where the key covers the source, torch's
@@ -28,7 +32,10 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,7 +43,12 @@ import torch
 log = logging.getLogger("oolong.server")
 
 CPU_KERNELS_ENV = "OOLONG_CPU_KERNELS"  # "0": torch's kernels only (to compare, or rule them out)
-SOURCES = [Path(__file__).parent / "kernels" / "decode_step.cpp"]
+AMX_ENV = "OOLONG_AMX"  # "0": not the AMX kernel's projections
+AVX512_LINEAR_ENV = "OOLONG_AVX512_LINEAR"  # "0": not the AVX-512 kernel's (both "0": oneDNN's)
+AMX_MIN_ROWS = 17  # see projections()
+SOURCES = [Path(__file__).parent / "kernels" / name for name in ("decode_step.cpp", "amx_linear.cpp",
+                                                                  "avx512_linear.cpp")]
+HEADERS = [Path(__file__).parent / "kernels" / "projection_epilogue.h"]  # in the build's key too
 HEAD_SIZES = (16, 32, 64, 128)  # what the attention kernel is compiled for
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
@@ -83,7 +95,7 @@ def build_dir() -> Path:
     from training_core.models.smollm2 import cache_root
 
     key = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         key.update(src.read_bytes())
     for part in (" ".join(CFLAGS), _compiler(), torch.__version__, _cpu_flags()):
         key.update(part.encode() + b"\0")
@@ -150,6 +162,143 @@ def rms_norm(device: torch.device) -> Callable[..., torch.Tensor] | None:
     if device.type != "cpu" or not load():
         return None
     return torch.ops.oolong.rms_norm
+
+
+def sample(device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+    """``op(logits [B, V] bf16 or fp32, temperature [B] float32, u [B] float64, block) ->
+    (tokens [B] int64, logprobs [B] float32)``: generation_engine's untruncated draw (the tempered
+    softmax, blocks of ``block`` tokens, float64 running sums; T <= 0 the first maximum with its
+    logprob at T = 1) in one pass per row; None where it does not serve (another device, logits
+    in another dtype such as float16)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not load():
+        return None
+    return torch.ops.oolong.sample
+
+
+def amx_linear(device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+    """``op(x [M, K] bf16, packed, other [M, N] | None, epilogue) -> [M, N]`` on weights packed
+    by ``torch.ops.oolong.amx_pack`` (kernels/amx_linear.cpp): epilogue "none", "add" (other
+    added before the rounding) or "silu_mul" (gate and up interleaved in blocks of 16 rows ->
+    [M, N / 2]). None where it does not serve: another device or dtype, a build whose compiler
+    did not target AMX, a kernel that refuses this process the tile state, or OOLONG_AMX=0."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or os.environ.get(AMX_ENV) == "0":
+        return None
+    if not load() or not torch.ops.oolong.amx_available():
+        return None
+    return torch.ops.oolong.amx_linear
+
+
+def avx512_linear(device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+    """``op(x [M, K], packed, other [M, N] | None, epilogue) -> [M, N]``, bf16 or fp32, on
+    weights packed by ``torch.ops.oolong.avx512_pack`` (kernels/avx512_linear.cpp): amx_linear's
+    epilogues with fp32 multiply-adds (bf16 widened, or packed in pairs of k for vdpbf16ps). None
+    where it does not serve: another device or dtype, a build whose compiler did not target
+    AVX-512 with bf16 conversions, or OOLONG_AVX512_LINEAR=0."""
+    if (device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32)
+            or os.environ.get(AVX512_LINEAR_ENV) == "0"):
+        return None
+    if not load() or not torch.ops.oolong.avx512_linear_available():
+        return None
+    return torch.ops.oolong.avx512_linear
+
+
+CALIBRATION_ROWS = (1, 4, 16, 64)  # the batch sizes a measured kernel is timed at (measured())
+WIN_MARGIN = 0.95  # a measured kernel serves a batch size where it took under 95% of oneDNN's time
+
+
+def _bucket(rows: int) -> int:
+    """The calibration row count that stands for a batch of ``rows``: the largest not above it."""
+    return max(r for r in CALIBRATION_ROWS if r <= max(rows, 1))
+
+
+def _ranges(won: set[int]) -> str:
+    """The batch sizes the calibration buckets in ``won`` stand for, e.g. "1-3, 64+"."""
+    bounds = [*CALIBRATION_ROWS[1:], None]
+    spans = [f"{r}+" if nxt is None else f"{r}-{nxt - 1}" if nxt - 1 > r else f"{r}"
+             for r, nxt in zip(CALIBRATION_ROWS, bounds, strict=True) if r in won]
+    return ", ".join(spans)
+
+
+@dataclass(frozen=True)
+class Projections:
+    """The kernel that computes a decode step's projections here (in the model's dtype):
+    ``linear(x, pack(w), other, epilogue)`` for the batches it :meth:`serves`.
+
+    ``measure``: whether it is only worth it where it outruns oneDNN on this CPU, so the caller
+    times both on its own weights (:func:`measured`) before it decodes on it."""
+
+    name: str  # "amx", "avx512" (bf16 widened, or fp32) or "avx512-pairs" (bf16 by vdpbf16ps)
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    linear: Callable[..., torch.Tensor]
+    min_rows: int = 1
+    measure: bool = False
+    won: frozenset[int] | None = None  # CALIBRATION_ROWS it was faster at; None: not measured
+
+    def serves(self, rows: int) -> bool:
+        return rows >= self.min_rows and (self.won is None or _bucket(rows) in self.won)
+
+    def describe(self) -> str:
+        """Which batches it serves, e.g. "avx512-pairs at 1-3, 64+ rows" (the server logs it)."""
+        rows = f"{self.min_rows}+" if self.won is None else _ranges(self.won)
+        return f"{self.name} at {rows} rows" + (" (to be measured)" if self.measure else "")
+
+
+def projections(device: torch.device, dtype: torch.dtype) -> Projections | None:
+    """For bf16, AMX's kernel where it serves (batches of AMX_MIN_ROWS rows or more: its passes
+    of 32 rows would pad smaller ones, where oneDNN's AMX path was as fast); else, bf16 or fp32,
+    the AVX-512 kernel; else None: oneDNN's projections.
+
+    The AVX-512 kernel takes bf16 widened to fp32 where vdpbf16ps issues at half an FMA's rate
+    (a Xeon without AMX), else in vdpbf16ps's pairs of k (AMD's Zen 4: as fast as an FMA, twice
+    the products). Its rank against oneDNN still depends on the CPU and the batch: on that Xeon
+    it was faster at every batch (bf16 1.6x at 64 rows, fp32 1.15x); on the EPYC, widened, oneDNN's
+    bf16 was 1.3-2x faster from 4 rows up. So it comes with ``measure`` set, unless
+    OOLONG_AVX512_LINEAR=1 asks for it at every batch (OOLONG_AVX512_LINEAR=0: never)."""
+    amx = amx_linear(device, dtype)
+    if amx is not None:
+        return Projections("amx", torch.ops.oolong.amx_pack, amx, min_rows=AMX_MIN_ROWS)
+    avx512 = avx512_linear(device, dtype)
+    if avx512 is not None:
+        pairs = dtype == torch.bfloat16 and torch.ops.oolong.avx512_dot_pairs_faster()
+        return Projections("avx512-pairs" if pairs else "avx512", partial(_avx512_pack, pairs=pairs),
+                           avx512, measure=os.environ.get(AVX512_LINEAR_ENV) != "1")
+    return None
+
+
+def _avx512_pack(w: torch.Tensor, *, pairs: bool) -> torch.Tensor:
+    """bf16 in vdpbf16ps's pairs of k where they are faster on this CPU (and K is even), else
+    widened (kernels/avx512_linear.cpp); the kernel reads the layout from the packed shape."""
+    return torch.ops.oolong.avx512_pack(w, pairs and w.shape[-1] % 2 == 0)
+
+
+def measured(kernel: Projections, kernel_step: Callable[[int], None],
+             onednn_step: Callable[[int], None], repeats: int = 2) -> Projections | None:
+    """``kernel`` restricted to the CALIBRATION_ROWS batches where ``kernel_step(rows)`` ran
+    faster than ``onednn_step(rows)`` by WIN_MARGIN (each the same projections of a step at that
+    many rows; the best of ``repeats``, 8 where the untimed first pair took under 2 ms, taken in
+    turns so that a burst of load hits both); None where it won at none, so the caller keeps no copy of weights
+    for it. The margin: a near tie would be decided by noise, and the choice (it changes the
+    order of the sums) would then differ between servers for nothing."""
+    won = set()
+    timings = []
+    for rows in CALIBRATION_ROWS:
+        best = {kernel_step: float("inf"), onednn_step: float("inf")}
+        start = time.perf_counter()
+        for run in (kernel_step, onednn_step):  # once each, untimed: first-touch and page faults
+            run(rows)
+        rounds = repeats if time.perf_counter() - start > 2e-3 else max(repeats, 8)
+        for _ in range(rounds):
+            for run in best:
+                start = time.perf_counter()
+                run(rows)
+                best[run] = min(best[run], time.perf_counter() - start)
+        if best[kernel_step] < WIN_MARGIN * best[onednn_step]:
+            won.add(rows)
+        timings.append(f"{rows}: {best[kernel_step] * 1e3:.2f}/{best[onednn_step] * 1e3:.2f}")
+    log.info("%s projections measured against oneDNN's (rows: kernel/oneDNN ms) %s: %s",
+             kernel.name, ", ".join(timings),
+             f"the kernel serves batches of {_ranges(won)} rows" if won else "oneDNN's serve")
+    return replace(kernel, measure=False, won=frozenset(won)) if won else None
 
 
 if __name__ == "__main__":  # build ahead: `python -m training_core.engines.cpu_kernels`

@@ -15,7 +15,28 @@ this does the same with the kernels this CPU build has:
 - the gate projection with SiLU fused into its matmul, the up projection with the product fused
   into its matmul, and the o and down projections with the residual add fused into theirs.
 
-Twenty-odd calls per layer. Prefill (several tokens per row) stays with transformers' forward;
+Twenty-odd calls per layer. On a CPU with AMX and a bf16 model, batches of 17 rows or more
+decode on cpu_kernels' AMX projections instead (kernels/amx_linear.cpp): five calls per layer,
+gate and up in one pass over x (their rows interleaved) with SiLU and the product in its
+epilogue, the residual adds in the o and down projections', each weight read as one stream with
+the next blocks fetched ahead. Bitwise what oneDNN's packed path gives (SiLU's exp may move an
+output by one bf16 step); it keeps a third copy of the projection weights (packed for AMX).
+SmolLM2's projections at 64 rows (an AMX Xeon, 2 threads, 30 layers as one step reads them):
+14.4 against oneDNN's 16.6 ms, and a whole decode step 47.7 -> 39.3 ms. On an AVX-512 CPU
+without AMX the AVX-512 kernel (kernels/avx512_linear.cpp) has the same calls and epilogues:
+fp32 multiply-adds of the bf16 weights widened in registers. On a Xeon whose vdpbf16ps issues
+at half an FMA's rate, where oneDNN's bf16 matmul ran no faster than fp32 (~150 GFLOPS on two
+cores), the step's projections went 116-124 -> 72-74 ms at 64 rows, 41.6 -> 28 at 16, 17.3 ->
+11.2 at one, and fp32's 89.6 -> 77.7 at 64 rows. On an AMD EPYC (Zen 4) vdpbf16ps issues as
+fast as an FMA, so twice the products, and oneDNN's bf16 (on it) outran the widening kernel 2x
+at 64 rows; there the kernel takes bf16 in vdpbf16ps's pairs of k instead (the CPU's two rates
+are measured once per process). Which of kernel and oneDNN is faster still depends on the
+CPU and the batch, so the decoder times both on its own weights when it is made
+(cpu_kernels.measured: a step's projections, lm_head's included, three times each per
+calibration batch size, about a second for SmolLM2) and decodes on the kernel only at the batch
+sizes where it took under 95% of oneDNN's time.
+
+Prefill (several tokens per row) stays with transformers' forward;
 so does every model this does not describe exactly (:func:`supports`: Llama's layout, SiLU, no
 biases, no sliding window), and any device without packed weights. The output is transformers'
 up to rounding: the fused adds and products round once instead of twice, and the norm sums in
@@ -26,6 +47,9 @@ weight update (:meth:`FusedDecoder.refresh` must follow every weight change, as
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -33,6 +57,7 @@ from training_core.engines import cpu_kernels
 from training_core.engines.packed_linear import PACK_ROWS_HINT, PackedLinear
 from training_core.engines.slot_cache import SlotCache, attention
 
+log = logging.getLogger("oolong.server")
 _linear = torch.ops.mkldnn._linear_pointwise
 FUSED_DECODE_ENV = "OOLONG_FUSED_DECODE"  # "0": transformers' forward decodes (a kill switch)
 
@@ -67,10 +92,24 @@ class FusedDecoder:
         self.hidden = cfg.hidden_size
         self._qkv: list[torch.Tensor] = []
         # cpu_kernels' attention and norm where they are built; None: torch's operators
-        device = next(model.parameters()).device
-        self._attend = cpu_kernels.decode_attention(self.head_dim, device)
-        self._rms_norm = cpu_kernels.rms_norm(device)
+        first = next(model.parameters())
+        self._attend = cpu_kernels.decode_attention(self.head_dim, first.device)
+        self._rms_norm = cpu_kernels.rms_norm(first.device)
+        # cpu_kernels' projections (AMX's or AVX-512's): each layer's (qkv, o, gate and up
+        # interleaved, down) packed for them, and lm_head's; empty where none serves this model
+        self._proj = cpu_kernels.projections(first.device, first.dtype)
+        if self._proj is not None and not _kernel_fits(model):
+            self._proj = None
+        self._proj_layers: list[tuple[torch.Tensor, ...]] = []
+        self._proj_head: torch.Tensor | None = None
         self.refresh()
+        if self._proj is not None and self._proj.measure:
+            kernel = self._proj.linear
+            self._proj = cpu_kernels.measured(self._proj, lambda rows: self._projections(rows, kernel),
+                                              lambda rows: self._projections(rows, None))
+            if self._proj is None:  # no copy of the weights kept for a kernel that never runs
+                self._proj_layers, self._proj_head = [], None
+        log.info("decode projections: %s", "oneDNN's" if self._proj is None else self._proj.describe())
 
     @property
     def uses_kernels(self) -> bool:
@@ -79,11 +118,21 @@ class FusedDecoder:
         return self._attend is not None
 
     def refresh(self) -> None:
-        """Concatenate and pack q, k and v again from the (new) parameters; the other
-        projections reuse their own packed weights (repacked by ``packed_linear.repack``)."""
-        self._qkv = [torch.ops.mkldnn._reorder_linear_weight(
-            torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
-            PACK_ROWS_HINT) for a in (layer.self_attn for layer in self.model.model.layers)]
+        """Concatenate and pack q, k and v again from the (new) parameters, and the kernel's
+        copies where one serves; the other projections reuse their own packed weights (repacked by
+        ``packed_linear.repack``)."""
+        layers = self.model.model.layers
+        qkvs = [_qkv(layer).detach() for layer in layers]  # one concatenation for both packs
+        self._qkv = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in qkvs]
+        if self._proj is not None:
+            pack = self._proj.pack
+            self._proj_layers = [
+                (pack(qkv), pack(layer.self_attn.o_proj.weight.detach()),
+                 pack(_interleave(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)),
+                 pack(layer.mlp.down_proj.weight.detach()))
+                for layer, qkv in zip(layers, qkvs, strict=True)]
+            head = self.model.lm_head
+            self._proj_head = pack(head.weight.detach()) if _kernel_head_fits(head) else None
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
@@ -102,10 +151,11 @@ class FusedDecoder:
             bias = torch.zeros(mask.shape[0], mask.shape[-1], dtype=torch.float32)
             bias.masked_fill_(~mask.view(b, -1), float("-inf"))
             cos32, sin32 = cos.reshape(b, dim).float(), sin.reshape(b, dim).float()
+        proj = self._proj.linear if self._proj is not None and self._proj.serves(b) else None
         for i, layer in enumerate(inner.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             x = self._norm(h, layer.input_layernorm)
-            qkv = _linear(x, self._qkv[i], None, "none", [], "").view(b, heads + 2 * kv, dim)
+            qkv = self._qkv_proj(i, x, proj).view(b, heads + 2 * kv, dim)
             if self._attend is not None:  # the rotary embedding and the cache write included
                 keys_t, values, column = slots.decode_buffers(i)
                 out = self._attend(qkv[:, :heads], qkv[:, heads: heads + kv],
@@ -118,15 +168,87 @@ class FusedDecoder:
                                             qkv[:, heads + kv:].unsqueeze(2), i)
                 out, _ = attention(attn, qk[:, :heads].unsqueeze(2), keys, values, mask,
                                    scaling=attn.scaling)
-            h = _linear.binary(out.reshape(b, heads * dim), h, attn.o_proj._packed, None, "add")
-            x = self._norm(h, layer.post_attention_layernorm)
-            gate = _linear(x, mlp.gate_proj._packed, None, "swish", [], "")
-            up = _linear.binary(x, gate, mlp.up_proj._packed, None, "mul")
-            h = _linear.binary(up, h, mlp.down_proj._packed, None, "add")
-        return self.model.lm_head(self._norm(h, inner.norm))
+            h = self._o_proj(i, out.reshape(b, heads * dim), h, proj)
+            h = self._mlp(i, self._norm(h, layer.post_attention_layernorm), h, proj)
+        return self._head(self._norm(h, inner.norm), proj)
+
+    # A step's projections, on the kernel (``proj``: its linear) or on oneDNN's packed weights
+    # (None); __call__ and the calibration's timing (_projections) both make them here.
+
+    def _qkv_proj(self, i: int, x: torch.Tensor, proj: Callable | None) -> torch.Tensor:
+        if proj is not None:
+            return proj(x, self._proj_layers[i][0], None, "none")
+        return _linear(x, self._qkv[i], None, "none", [], "")
+
+    def _o_proj(self, i: int, out: torch.Tensor, h: torch.Tensor, proj: Callable | None
+                ) -> torch.Tensor:
+        """The attention's output projection with the residual added."""
+        if proj is not None:
+            return proj(out, self._proj_layers[i][1], h, "add")
+        return _linear.binary(out, h, self.model.model.layers[i].self_attn.o_proj._packed, None, "add")
+
+    def _mlp(self, i: int, x: torch.Tensor, h: torch.Tensor, proj: Callable | None) -> torch.Tensor:
+        """down(SiLU(gate(x)) * up(x)) with the residual added."""
+        if proj is not None:
+            _, _, gate_up_w, down_w = self._proj_layers[i]
+            return proj(proj(x, gate_up_w, None, "silu_mul"), down_w, h, "add")
+        mlp = self.model.model.layers[i].mlp
+        gate = _linear(x, mlp.gate_proj._packed, None, "swish", [], "")
+        up = _linear.binary(x, gate, mlp.up_proj._packed, None, "mul")
+        return _linear.binary(up, h, mlp.down_proj._packed, None, "add")
+
+    def _head(self, x: torch.Tensor, proj: Callable | None) -> torch.Tensor:
+        if proj is not None and self._proj_head is not None:
+            return proj(x, self._proj_head, None, "none")
+        return self.model.lm_head(x)
+
+    def _projections(self, rows: int, proj: Callable | None) -> None:
+        """Every projection of a step at ``rows`` rows, as __call__ makes them (to time them):
+        each weight comes from memory as in a step."""
+        x, attn_out, h = self._calibration_inputs(rows)
+        for i in range(len(self._qkv)):
+            self._qkv_proj(i, x, proj)
+            self._o_proj(i, attn_out, h, proj)
+            self._mlp(i, x, h, proj)
+        self._head(x, proj)
+
+    def _calibration_inputs(self, rows: int) -> tuple[torch.Tensor, ...]:
+        dtype = next(self.model.parameters()).dtype
+        g = torch.Generator().manual_seed(rows)  # not the global generator: a caller's seed holds
+        x = torch.randn(rows, self.hidden, generator=g).to(dtype)
+        return x, torch.randn(rows, self.heads * self.head_dim, generator=g).to(dtype), x.clone()
 
     def _norm(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         if self._rms_norm is not None:
             return self._rms_norm(h, norm.weight, norm.variance_epsilon)
         normed = torch.rms_norm(h.float(), (self.hidden,), None, norm.variance_epsilon)
         return norm.weight * normed.to(h.dtype)
+
+
+def _qkv(layer: nn.Module) -> torch.Tensor:
+    a = layer.self_attn
+    return torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+
+
+def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Rows of gate and up alternating in blocks of 16: the kernels' panels of 32 columns then
+    hold a gate and its up projection side by side (their "silu_mul" epilogue)."""
+    rows, width = gate.shape
+    return torch.stack([gate.detach().reshape(rows // 16, 16, width),
+                        up.detach().reshape(rows // 16, 16, width)], 1).reshape(2 * rows, width)
+
+
+def _kernel_fits(model: nn.Module) -> bool:
+    """The projection kernels' shapes for the layers: every projection's sizes multiples of 32 (gate and
+    up interleave in blocks of 16, so twice the intermediate size)."""
+    cfg = model.config
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    sizes = (cfg.hidden_size, (heads + 2 * kv) * dim, heads * dim, cfg.intermediate_size)
+    return all(n % 32 == 0 for n in sizes)
+
+
+def _kernel_head_fits(head: nn.Module) -> bool:
+    """lm_head on the projection kernel too: no bias, both sizes multiples of 32 (else oneDNN's)."""
+    rows, width = head.weight.shape
+    return getattr(head, "bias", None) is None and rows % 32 == 0 and width % 32 == 0

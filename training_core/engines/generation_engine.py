@@ -49,6 +49,7 @@ import torch
 
 from training_core import weight_files
 from training_core.allocator import retain_freed_memory
+from training_core.engines import cpu_kernels
 from training_core.engines.fused_decode import FUSED_DECODE_ENV, FusedDecoder, supports
 from training_core.engines.packed_linear import can_pack, pack_linears, repack
 from training_core.engines.prefix_tree import layer_masks, sliding_window
@@ -567,6 +568,10 @@ def _sample(logits: torch.Tensor, seqs: list[Seq], gen: torch.Generator):
     temps = [s.temperature for s in seqs]
     greedy = [t <= 0 for t in temps]
     truncated = any((s.top_k > 0 and s.top_k < logits.shape[-1]) or s.top_p < 1.0 for s in seqs)
+    kernel = None if truncated else cpu_kernels.sample(logits.device, logits.dtype)
+    if kernel is not None:  # the same draw in one pass per row that stays in cache (cpu_kernels)
+        u = torch.rand(len(seqs), generator=gen, device=logits.device, dtype=torch.float64)
+        return kernel(logits, torch.tensor(temps, dtype=torch.float32), u, DRAW_CHUNK)
     # The tempered distribution in one pass of torch's fused softmax, in fp32 whatever the
     # logits' dtype; the sampled tokens' logprobs are the logs of their probabilities (1e-7 off
     # log_softmax's). The max, the shifted exponentials and their sum as separate passes over a

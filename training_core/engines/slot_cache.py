@@ -199,7 +199,9 @@ class SlotCache:
         # to 256 rows x 256 columns (2 x 134 MB, the long-tail benchmark's size) stalled the
         # engine 107 ms, 18 ms uninitialised.
         layers, heads, dim = self.shape
-        make = torch.zeros if self.full_width else _uninitialized
+        # torch's full-width attention reads every column (0 * nan is nan); cpu_kernels' reads
+        # attended columns only and leaves masked ones out whatever they hold
+        make = torch.zeros if self.full_width and not self.keys_transposed else _uninitialized
         shape = (layers, rows, heads, cols, dim)
         self.values = make(shape, dtype=self.dtype, device=self.device)
         self.keys = (make((layers, rows, heads, dim, cols), dtype=self.dtype,
@@ -214,16 +216,29 @@ class SlotCache:
         span = self.hi - self.lo
         fits = rows <= cap_rows and left <= self.hi and self.hi + right <= cap_cols
         if self.full_width:
-            # Every column costs attention at every step, so the buffers hold the window and a
-            # few steps more: a reallocation copies the cache once per FULL_WIDTH_STEP columns
-            # (SmolLM2, 64 rows, 200 columns: 295 MB, ~15 ms every 32 steps), where a wider
-            # buffer cost more at every step (q.K^T at 64 rows over 320 columns 298 us, over 128
-            # 88 us). Columns the window left behind (its rows finished) are dropped the same way.
+            # Columns the window left behind (its rows finished) are dropped at a reallocation.
             new_lo = max(0, left - span)
             need_cols = new_lo + span + right
-            step = max(FULL_WIDTH_STEP, need_cols // 8)
-            if fits and cap_cols - need_cols < 2 * step:
-                return
+            if self.keys_transposed:
+                # cpu_kernels' attention reads each row's attended columns only (and fetches
+                # ahead no further), so room past the window costs nothing: the buffers grow by
+                # half what is needed and are kept for the next batch. Every reallocation pages in
+                # and copies the cache (SmolLM2 bf16 at 64 rows, ~160 columns: 176 ms each in the
+                # engine); growing by FULL_WIDTH_STEP, below, did that five times in a 128-token
+                # request.
+                if fits and cap_cols <= 8 * need_cols + 2 * FULL_WIDTH_STEP:
+                    return  # a batch far narrower than the buffers gives the memory back
+                step = FULL_WIDTH_STEP
+                need_cols += max(FULL_WIDTH_STEP, need_cols // 2)
+            else:
+                # Every column costs torch's attention at every step, so the buffers hold the
+                # window and a few steps more: a reallocation copies the cache once per
+                # FULL_WIDTH_STEP columns (SmolLM2, 64 rows, 200 columns: 295 MB, ~15 ms every 32
+                # steps), where a wider buffer cost more at every step (q.K^T at 64 rows over 320
+                # columns 298 us, over 128 88 us).
+                step = max(FULL_WIDTH_STEP, need_cols // 8)
+                if fits and cap_cols - need_cols < 2 * step:
+                    return
             grow, cols = True, -(-need_cols // step) * step
         else:
             if fits:

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -37,27 +38,6 @@ inline void store(uint16_t* p, int64_t i, float x) {  // round to nearest even, 
   p[i] = static_cast<uint16_t>(bits >> 16);
 }
 
-// exp for x <= 0 that the compiler vectorises (std::exp is a call per element): 2^n * e^y with
-// n = round(x / ln 2) and |y| <= ln 2 / 2, e^y by its Taylor series to degree 7 (relative error
-// below 1e-7 there); below -87 (a masked column's -inf included) exactly 0.
-inline float exp_nonpositive(float x) {
-  const float c = std::max(x, -87.0f);
-  const float n = std::nearbyint(c * 1.44269504088896341f);
-  const float y = (c - n * 0.693359375f) + n * 2.12194440e-4f;  // c - n ln 2, in two parts
-  float p = 1.0f / 5040;
-  p = p * y + 1.0f / 720;
-  p = p * y + 1.0f / 120;
-  p = p * y + 1.0f / 24;
-  p = p * y + 1.0f / 6;
-  p = p * y + 0.5f;
-  p = p * y + 1.0f;
-  p = p * y + 1.0f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.0f ? 0.0f : p * scale;
-}
-
 // Sixteen floats (one AVX-512 register; two AVX2 ones): GCC's vector extensions, so that the
 // accumulators live in registers (plain float arrays were spilled to the stack every step).
 typedef float vfloat __attribute__((vector_size(64)));
@@ -79,6 +59,124 @@ inline vfloat loadv(const uint16_t* p) {  // sixteen bfloat16 values
   return r;
 }
 
+// Thirty-two bfloat16 values as two float vectors: those at even positions and those at odd
+// ones. A bfloat16 is a float's high half, so a shift and a mask widen sixteen each: half the
+// work of widening sixteen in order (a shuffle and a shift), whose shuffle competed with the
+// multiply-adds for a port. Exact: the same floats, in another order.
+inline void load_pairs(const uint16_t* p, vfloat& even, vfloat& odd) {
+  vbits w;
+  std::memcpy(&w, p, sizeof w);
+  const vbits e = w << 16, o = w & 0xFFFF0000u;
+  std::memcpy(&even, &e, sizeof e);
+  std::memcpy(&odd, &o, sizeof o);
+}
+// load_pairs' order undone: (e0 o0 ... e7 o7) into lo, (e8 o8 ... e15 o15) into hi.
+inline void interleave(vfloat even, vfloat odd, vfloat& lo, vfloat& hi) {
+  lo = __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  hi = __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                               15, 31);
+}
+
+// exp for x <= 0, on a float or on sixteen lanes alike (std::exp is a call per element): 2^n *
+// e^y with n = round(x / ln 2) (the 1.5 * 2^23 trick, exact for |n| < 2^22) and |y| <= ln 2 / 2,
+// e^y by its Taylor series to degree 7 (relative error below 1e-7 there); below -87 (a masked
+// column's -inf included) exactly 0.
+typedef int32_t vint __attribute__((vector_size(64)));
+inline int32_t as_int(float n) { return static_cast<int32_t>(n); }
+inline vint as_int(vfloat n) { return __builtin_convertvector(n, vint); }
+inline float as_float(int32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline vfloat as_float(vint bits) {
+  vfloat f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+template <typename V>
+inline V exp_nonpositive(V x) {
+  const V floor87 = V{} - 87.0f, magic = V{} + 12582912.0f;
+  const V c = x < floor87 ? floor87 : x;
+  const V n = (c * 1.44269504088896341f + magic) - magic;
+  const V y = (c - n * 0.693359375f) + n * 2.12194440e-4f;
+  V p = V{} + 1.0f / 5040;
+  p = p * y + 1.0f / 720;
+  p = p * y + 1.0f / 120;
+  p = p * y + 1.0f / 24;
+  p = p * y + 1.0f / 6;
+  p = p * y + 0.5f;
+  p = p * y + 1.0f;
+  p = p * y + 1.0f;
+  const V r = p * as_float((as_int(n) + 127) << 23);
+  return x < floor87 ? V{} : r;
+}
+
+// x * cos + roll(x, D / 2) * sin (the caller negated sin's first half: rotate_half's sign),
+// times mult, in fp32 into out[D]; whole vectors where a half of D is a multiple of LANES.
+template <typename T, int64_t D>
+inline void rotate(const T* x, const float* cb, const float* sb, float mult, float* out) {
+  if constexpr (D % (2 * LANES) == 0) {
+    constexpr int64_t DV = D / LANES;
+    vfloat xs[DV];
+    for (int64_t i = 0; i < DV; ++i) xs[i] = loadv(x + i * LANES);
+    for (int64_t i = 0; i < DV; ++i) {
+      const vfloat r =
+          (xs[i] * loadv(cb + i * LANES) + xs[(i + DV / 2) % DV] * loadv(sb + i * LANES)) * mult;
+      std::memcpy(out + i * LANES, &r, sizeof r);
+    }
+  } else {
+    for (int64_t d = 0; d < D; ++d)
+      out[d] = (load(x, d) * cb[d] + load(x, (d + D / 2) % D) * sb[d]) * mult;
+  }
+}
+
+// The next task's cache lines, fetched towards L2 from the current task's inner loops: one
+// row of keys per iteration of the first pass over the head dim, two lines of values per column.
+template <int64_t D>
+struct Ahead {
+  const char* keys = nullptr;
+  int64_t key_row = 0, key_from = 0, key_to = 0, rows_left = 0;
+  const char* values = nullptr;
+  const char* values_end = nullptr;
+
+  void next(const char* k, int64_t row, int64_t from, int64_t to, const char* v, int64_t v_bytes) {
+    keys = k, key_row = row, key_from = from, key_to = to, rows_left = D;
+    values = v, values_end = v + v_bytes;
+  }
+  void key() {  // the next row of the next task's keys
+    if (rows_left == 0) return;
+    const uintptr_t from = reinterpret_cast<uintptr_t>(keys + key_from) & ~uintptr_t(63);
+    for (const char* x = reinterpret_cast<const char*>(from); x < keys + key_to; x += 64)
+      __builtin_prefetch(x, 0, 2);
+    keys += key_row;
+    --rows_left;
+  }
+  void value() {
+    if (values < values_end) {
+      __builtin_prefetch(values, 0, 2);
+      __builtin_prefetch(values + 64, 0, 2);
+      values += 128;
+    }
+  }
+  void flush() {
+    while (rows_left > 0) key();
+    for (; values < values_end; values += 64) __builtin_prefetch(values, 0, 2);
+  }
+};
+
+// 32 columns' scores from load_pairs' order into row[at, at + 32), in order; a masked column
+// scores its bias (-inf) whatever its keys held.
+inline void store_scores(vfloat even, vfloat odd, const float* mask, int64_t at, float* row) {
+  vfloat part[2];
+  interleave(even, odd, part[0], part[1]);
+  for (int64_t i = 0; i < 2; ++i) {
+    const vfloat m = loadv(mask + at + i * LANES);
+    const vfloat masked = m == 0.f ? part[i] : m;
+    std::memcpy(row + at + i * LANES, &masked, sizeof(vfloat));
+  }
+}
+
 // q [B, H, D], keys transposed kt [B, KV, D, C] (columns contiguous), values v [B, KV, C, D]
 // (head dim contiguous), bias [B, C] (0 where a row attends, -inf elsewhere) -> out [B, H, D].
 // Both products are broadcasts times contiguous vectors, accumulated in registers: scores four
@@ -94,10 +192,23 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
             int64_t column, const int64_t* qs, const int64_t* ns, const int64_t* ms,
             const int64_t* ks, const int64_t* vs, int64_t bias_row, float scale) {
   static_assert(D % LANES == 0, "head size a multiple of LANES");
-  constexpr int64_t DV = D / LANES, NB = 4;
+  constexpr int64_t DV = D / LANES, NB = 4, PAIR = 2 * LANES;
   const int64_t G = H / KV;
   at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), scores(G * C);  // scores by absolute column, a row per head
+    // A row's attended columns [first, last), scanned from its bias once for its KV tasks
+    int64_t scanned = -1, row_first = 0, row_last = 0;
+    auto attended = [&](int64_t row, int64_t& lo, int64_t& hi) {
+      if (row != scanned) {
+        const float* m = bias + row * bias_row;
+        row_first = 0, row_last = C;
+        while (row_first < C && m[row_first] != 0.f) ++row_first;
+        while (row_last > row_first && m[row_last - 1] != 0.f) --row_last;
+        scanned = row;
+      }
+      lo = row_first, hi = row_last;
+    };
+    Ahead<D> ahead;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KV, h = task % KV;
       T* kb = kt + b * ks[0] + h * ks[1];
@@ -111,29 +222,30 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
       const T* vn = vnew + b * ms[0] + h * ms[1];
       const float* cb = cos + b * D;
       const float* sb = sin + b * D;
-      for (int64_t d = 0; d < D; ++d) {
-        store(kb, d * ks[2] + column, load(kn, d) * cb[d] + load(kn, (d + D / 2) % D) * sb[d]);
-        vb[column * vs[2] + d] = vn[d];
+      float rotated[D];
+      rotate<T, D>(kn, cb, sb, 1.f, rotated);
+      for (int64_t d = 0; d < D; ++d) store(kb, d * ks[2] + column, rotated[d]);
+      std::memcpy(vb + column * vs[2], vn, D * sizeof(T));
+      // Attended columns lie in [first, last) (the rows' own, masked columns outside them are
+      // not read). The next pair's lines go towards L2 while this one computes, those columns
+      // only (the engine's buffers have room past the window), a few from each inner iteration:
+      // issued all at once they stalled this task's own loads, and reading took turns with
+      // computing instead of overlapping it.
+      int64_t first, last;
+      attended(b, first, last);
+      ahead.flush();  // what the last task left
+      if (task + 1 < end) {
+        const int64_t nb = (task + 1) / KV, nh = (task + 1) % KV;
+        int64_t lo, hi;
+        attended(nb, lo, hi);
+        ahead.next(reinterpret_cast<const char*>(kt + nb * ks[0] + nh * ks[1]), ks[2] * sizeof(T),
+                   lo * sizeof(T), hi * sizeof(T),
+                   reinterpret_cast<const char*>(v + nb * vs[0] + nh * vs[1]) + lo * vs[2] * sizeof(T),
+                   (hi - lo) * vs[2] * sizeof(T));
       }
       const float* mask = bias + b * bias_row;
-      if (task + 1 < end) {  // the next pair's keys and values towards L2 while this one computes
-        const int64_t nb = (task + 1) / KV, nh = (task + 1) % KV;
-        const char* nk = reinterpret_cast<const char*>(kt + nb * ks[0] + nh * ks[1]);
-        const char* nv = reinterpret_cast<const char*>(v + nb * vs[0] + nh * vs[1]);
-        const int64_t krow = C * int64_t(sizeof(T)), vbytes = C * vs[2] * int64_t(sizeof(T));
-        for (int64_t d = 0; d < D; ++d)
-          for (int64_t x = 0; x < krow; x += 64)
-            __builtin_prefetch(nk + d * ks[2] * sizeof(T) + x, 0, 2);
-        for (int64_t x = 0; x < vbytes; x += 64) __builtin_prefetch(nv + x, 0, 2);
-      }
-      int64_t first = 0, last = C;  // attended columns lie in [first, last)
-      while (first < C && mask[first] != 0.f) ++first;
-      while (last > first && mask[last - 1] != 0.f) --last;
-      for (int64_t g = 0; g < G; ++g) {
-        const T* qg = q + b * qs[0] + (h * G + g) * qs[1];
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = (load(qg, d) * cb[d] + load(qg, (d + D / 2) % D) * sb[d]) * scale;
-      }
+      for (int64_t g = 0; g < G; ++g)
+        rotate<T, D>(q + b * qs[0] + (h * G + g) * qs[1], cb, sb, scale, qf.data() + g * D);
       for (int64_t g0 = 0; g0 < G; g0 += GB) {
         const float* qq = qf.data() + g0 * D;
         float* sg = scores.data() + g0 * C;
@@ -141,9 +253,45 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
         // starts LANES before it instead (recomputing a few scores). Masked columns score their
         // bias, -inf, whatever the buffer holds there.
         int64_t c0 = first;
+        if constexpr (std::is_same_v<T, uint16_t>) {
+          // Blocks of 64 columns, then of 32 (the last one ending at the buffer's end at most),
+          // each 32 read as pairs: the even columns' scores and the odd ones' in their own
+          // accumulators, put back in order once per block.
+          for (; c0 + 2 * PAIR <= last; c0 += 2 * PAIR) {
+            vfloat acc[GB][4] = {};
+            for (int64_t d = 0; d < D; ++d) {
+              ahead.key();
+              const T* kr = kb + d * ks[2] + c0;
+              vfloat keys[4];
+              load_pairs(kr, keys[0], keys[1]);
+              load_pairs(kr + PAIR, keys[2], keys[3]);
+              for (int64_t k = 0; k < 4; ++k)
+                for (int64_t g = 0; g < GB; ++g) acc[g][k] += qq[g * D + d] * keys[k];
+            }
+            for (int64_t half = 0; half < 2; ++half)
+              for (int64_t g = 0; g < GB; ++g)
+                store_scores(acc[g][2 * half], acc[g][2 * half + 1], mask, c0 + half * PAIR,
+                             sg + g * C);
+          }
+          for (; c0 < last && C >= PAIR; c0 += PAIR) {
+            const int64_t at = std::min(c0, C - PAIR);
+            vfloat acc[GB][2] = {};
+            for (int64_t d = 0; d < D; ++d) {
+              ahead.key();
+              vfloat even, odd;
+              load_pairs(kb + d * ks[2] + at, even, odd);
+              for (int64_t g = 0; g < GB; ++g) {
+                acc[g][0] += qq[g * D + d] * even;
+                acc[g][1] += qq[g * D + d] * odd;
+              }
+            }
+            for (int64_t g = 0; g < GB; ++g) store_scores(acc[g][0], acc[g][1], mask, at, sg + g * C);
+          }
+        }
         for (; c0 + NB * LANES <= last; c0 += NB * LANES) {
           vfloat acc[GB][NB] = {};
           for (int64_t d = 0; d < D; ++d) {
+            ahead.key();
             const T* kr = kb + d * ks[2] + c0;
             for (int64_t k = 0; k < NB; ++k) {
               const vfloat keys = loadv(kr + k * LANES);
@@ -162,6 +310,7 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
           const int64_t at = std::min(c0, C - LANES);
           vfloat acc[GB] = {};
           for (int64_t d = 0; d < D; ++d) {
+            ahead.key();
             const vfloat keys = loadv(kb + d * ks[2] + at);
             for (int64_t g = 0; g < GB; ++g) acc[g] += qq[g * D + d] * keys;
           }
@@ -181,8 +330,16 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
         float inv[GB];
         for (int64_t g = 0; g < GB; ++g) {
           float* row = sg + g * C;
+          // the peak by vectors: a scalar loop was one chain of dependent compares per head
+          vfloat lanes = vfloat{} - INFINITY;
+          int64_t c = first;
+          for (; c + LANES <= last; c += LANES) {
+            const vfloat x = loadv(row + c);
+            lanes = x > lanes ? x : lanes;
+          }
           float peak = -INFINITY;
-          for (int64_t c = first; c < last; ++c) peak = std::max(peak, row[c]);
+          for (int64_t l = 0; l < LANES; ++l) peak = std::max(peak, lanes[l]);
+          for (; c < last; ++c) peak = std::max(peak, row[c]);
           float total = 0.f;
 #pragma omp simd reduction(+ : total)
           for (int64_t c = first; c < last; ++c) {
@@ -191,20 +348,37 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
           }
           inv[g] = total > 0.f ? 1.f / total : 0.f;
         }
+        // bfloat16 values are read as pairs (load_pairs): acc[g][2i] sums the even dims of the
+        // i-th 32 and acc[g][2i + 1] the odd ones, put back in order at the end.
+        constexpr bool pairs = std::is_same_v<T, uint16_t> && DV % 2 == 0;
         vfloat acc[GB][DV] = {};
         for (int64_t c = first; c < last; ++c) {
+          ahead.value();
           // a masked column (weight 0 for the whole group) is not read: whatever its value
           // holds, even nan, stays out of the sum
           bool attended = false;
           for (int64_t g = 0; g < GB; ++g) attended |= sg[g * C + c] != 0.f;
           if (!attended) continue;
           const T* vr = vb + c * vs[2];
-          for (int64_t i = 0; i < DV; ++i) {
-            const vfloat values = loadv(vr + i * LANES);
-            for (int64_t g = 0; g < GB; ++g) acc[g][i] += sg[g * C + c] * values;
+          if constexpr (pairs) {
+            for (int64_t i = 0; i < DV; i += 2) {
+              vfloat even, odd;
+              load_pairs(vr + i * LANES, even, odd);
+              for (int64_t g = 0; g < GB; ++g) {
+                acc[g][i] += sg[g * C + c] * even;
+                acc[g][i + 1] += sg[g * C + c] * odd;
+              }
+            }
+          } else {
+            for (int64_t i = 0; i < DV; ++i) {
+              const vfloat values = loadv(vr + i * LANES);
+              for (int64_t g = 0; g < GB; ++g) acc[g][i] += sg[g * C + c] * values;
+            }
           }
         }
         for (int64_t g = 0; g < GB; ++g) {
+          if constexpr (pairs)
+            for (int64_t i = 0; i < DV; i += 2) interleave(acc[g][i], acc[g][i + 1], acc[g][i], acc[g][i + 1]);
           T* o = out + (b * H + h * G + g0 + g) * D;
           for (int64_t i = 0; i < DV; ++i)
             for (int64_t l = 0; l < LANES; ++l) store(o, i * LANES + l, acc[g][i][l] * inv[g]);
@@ -337,6 +511,112 @@ at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double e
   return out;
 }
 
+// Sampling from a decode step's logits [B, V] (bf16 or fp32) in one pass per row that stays in
+// cache, what generation_engine._sample and draw do with torch in five (the tempered softmax in
+// fp32, block sums, their float64 cumulative sum, a block's cumulative sum, the gather): the row
+// scaled by 1 / T in fp32, its max, each block's sum of exp(x - max) in fp32, the blocks'
+// running sum in float64, the block that u * total falls in, then the token inside it from its
+// own float64 running sum. Every token keeps its probability (draw's two levels, same blocks);
+// the logprob is the tempered distribution's, in float64. T <= 0: the first maximum, with the
+// logprob at T = 1 (as _sample reports greedy rows).
+template <typename T>
+void sample_rows(const T* logits, int64_t row, int64_t B, int64_t V, const float* temperature,
+                 const double* u, int64_t chunk, int64_t* tokens, float* logprobs) {
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    const int64_t padded = (V + LANES - 1) / LANES * LANES;
+    std::vector<float> x(padded, -INFINITY);  // lanes past V: exp gives 0, max ignores them
+    std::vector<double> sums((V + chunk - 1) / chunk);
+    const int64_t whole = V / LANES * LANES;
+    for (int64_t b = begin; b < end; ++b) {
+      const T* l = logits + b * row;
+      const float t = temperature[b];
+      const bool greedy = !(t > 0.f);
+      // the tempered logit as torch computes it (a division in fp32); greedy rows at T = 1
+      const float divisor = greedy ? 1.f : t;
+      vfloat top = vfloat{} - INFINITY;
+      for (int64_t i = 0; i < whole; i += LANES) {
+        vfloat v = loadv(l + i);
+        if (divisor != 1.f) v = v / divisor;
+        std::memcpy(x.data() + i, &v, sizeof v);
+        top = v > top ? v : top;
+      }
+      for (int64_t i = whole; i < V; ++i) x[i] = load(l, i) / divisor;
+      float peak = -INFINITY;
+      for (int64_t i = 0; i < LANES; ++i) peak = std::max(peak, top[i]);
+      for (int64_t i = whole; i < V; ++i) peak = std::max(peak, x[i]);
+      int64_t first_max = 0;
+      if (greedy)
+        while (first_max < V - 1 && !(x[first_max] == peak)) ++first_max;
+      // chunk is a multiple of LANES (checked by the caller): blocks are whole vectors
+      double total = 0.0;
+      for (int64_t c0 = 0, k = 0; c0 < V; c0 += chunk, ++k) {
+        const int64_t c1 = std::min(padded, c0 + chunk);
+        vfloat acc = {};
+        for (int64_t i = c0; i < c1; i += LANES) acc += exp_nonpositive(loadv(x.data() + i) - peak);
+        float block = 0.f;
+        for (int64_t i = 0; i < LANES; ++i) block += acc[i];
+        sums[k] = block;
+        total += block;
+      }
+      int64_t token = first_max;
+      if (!greedy) {
+        const double target = u[b] * total;
+        double before = 0.0;
+        int64_t k = 0;
+        const int64_t blocks = static_cast<int64_t>(sums.size());
+        while (k < blocks - 1 && before + sums[k] <= target) before += sums[k++];
+        const double rest = std::min(std::max((target - before) / sums[k], 0.0), 1.0 - 0x1p-40);
+        const int64_t c0 = k * chunk, c1 = std::min(V, c0 + chunk);
+        double within = 0.0;
+        for (int64_t i = c0; i < c1; ++i) within += exp_nonpositive(x[i] - peak);
+        const double goal = rest * within;
+        double run = 0.0;
+        token = c1 - 1;
+        for (int64_t i = c0; i < c1; ++i) {
+          run += exp_nonpositive(x[i] - peak);
+          if (run > goal) {
+            token = i;
+            break;
+          }
+        }
+      }
+      // the reported logprob: at T for a sampled row, at 1 for a greedy one (x is then l)
+      logprobs[b] = static_cast<float>(double(x[token] - peak) - std::log(total));
+      tokens[b] = token;
+    }
+  });
+}
+
+// logits [B, V] (bf16 or fp32, rows contiguous), temperature [B] float32 (<= 0: greedy),
+// u [B] float64 in [0, 1) -> (tokens [B] int64, logprobs [B] float32).
+std::tuple<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const at::Tensor& temperature,
+                                          const at::Tensor& u, int64_t chunk) {
+  TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() && logits.stride(1) == 1,
+              "logits: [B, V] on CPU, rows contiguous");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
+              "logits: float32 or bfloat16");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0 && chunk > 0 && chunk % LANES == 0, "an empty vocabulary, or a block that "
+              "is not a multiple of 16");
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.is_contiguous() &&
+                  temperature.numel() == B,
+              "temperature: [B] float32");
+  TORCH_CHECK(u.scalar_type() == at::kDouble && u.is_contiguous() && u.numel() == B,
+              "u: [B] float64");
+  auto tokens = at::empty({B}, logits.options().dtype(at::kLong));
+  auto logprobs = at::empty({B}, logits.options().dtype(at::kFloat));
+  auto typed = [&](auto element) {
+    using T = decltype(element);
+    sample_rows<T>(data<T>(logits), logits.stride(0), B, V, data<float>(temperature),
+                   data<double>(u), chunk, data<int64_t>(tokens), data<float>(logprobs));
+  };
+  if (logits.scalar_type() == at::kFloat)
+    typed(float{});
+  else
+    typed(uint16_t{});
+  return {tokens, logprobs};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(oolong, m) {
@@ -344,6 +624,8 @@ TORCH_LIBRARY(oolong, m) {
       "decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor cos, Tensor sin, "
       "Tensor(a!) keys_t, Tensor(b!) values, Tensor bias, int column, float scale) -> Tensor");
   m.def("rms_norm(Tensor hidden, Tensor weight, float eps) -> Tensor");
+  m.def("sample(Tensor logits, Tensor temperature, Tensor u, int chunk) -> (Tensor, Tensor)");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.impl("sample", c10::DispatchKey::CPU, &sample);
   m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
 }
