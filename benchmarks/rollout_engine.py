@@ -10,7 +10,8 @@ for the logprobs). Rounds alternate the two; medians are reported. Throughput is
 tokens over wall time, prefill included on both sides.
 
 The machine's bound, measured in the same run: compute (a decode-shaped matmul,
-[batch, hidden] x [hidden, intermediate], at this precision and thread count, against 2 FLOPs
+[batch, hidden] x [hidden, intermediate], at this precision and thread count, torch's or the
+engine's projection kernel's, whichever is faster, against 2 FLOPs
 per parameter per token) and memory (every weight read once per decode step, at the bandwidth
 of a large copy). ``bound_tok_s`` is the lower of the two; the engine's share of it is what is
 left to win. Writes {"runs": [{"precision", "batches": {"16": {"embedded_tok_s", "hf_tok_s",
@@ -101,16 +102,29 @@ def hf_tok_s(model, tokenizer, rows: list[list[int]], new_tokens: int) -> float:
 
 def matmul_gflops(batch: int, hidden: int, inner: int, dtype: torch.dtype,
                   repeats: int = 20) -> float:
+    """The faster of torch's matmul and the engine's own projection kernel (cpu_kernels, where
+    one serves this CPU and dtype) at the decode shape: on an AVX-512 CPU without AMX the
+    engine's bf16 kernel outruns torch's, and a bound below what the engine runs is none."""
+    from training_core.engines import cpu_kernels
+
     a = torch.randn(batch, hidden, dtype=dtype)
     w = torch.randn(inner, hidden, dtype=dtype)
-    for _ in range(3):
-        a @ w.t()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ w.t()
-        times.append(time.perf_counter() - start)
-    return 2 * batch * hidden * inner / statistics.median(times) / 1e9
+    candidates = [lambda: a @ w.t()]
+    kernel = cpu_kernels.projections(torch.device("cpu"), dtype)
+    if kernel is not None and inner % 32 == 0 and hidden % 32 == 0:
+        packed = kernel.pack(w)
+        candidates.append(lambda: kernel.linear(a, packed, None, "none"))
+    best = 0.0
+    for run in candidates:
+        for _ in range(3):
+            run()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        best = max(best, 2 * batch * hidden * inner / statistics.median(times) / 1e9)
+    return best
 
 
 def copy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -137,10 +151,22 @@ def bound(params: int, hidden: int, inner: int, batch: int, dtype: torch.dtype) 
 # ---- the report ---------------------------------------------------------------------------------
 
 
-def report(measured: dict[str, dict[int, dict]], config: dict, machine: dict) -> dict:
+def server_projections(log_dir: Path) -> str | None:
+    """What the server's decode step multiplies with, from its log (fused_decode logs it once
+    its choice is measured): e.g. "avx512-pairs at 1-3, 4-15 rows" or "oneDNN's"."""
+    found = None
+    for path in sorted(log_dir.glob("rollout-server-*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if "decode projections: " in line:
+                found = line.split("decode projections: ", 1)[1].strip()
+    return found
+
+
+def report(measured: dict[str, dict[int, dict]], config: dict, machine: dict,
+           projections: dict[str, str | None] | None = None) -> dict:
     """The JSON from the rounds measured: ``measured[precision][batch]`` holds the lists
     ``embedded`` and ``hf`` (tok/s per round) and the bound's figures. Medians, their ratio, and
-    whether the aims are met."""
+    whether the aims are met; per precision, the server's projections (``server_projections``)."""
     runs = []
     for precision, batches in measured.items():
         out = {}
@@ -152,7 +178,8 @@ def report(measured: dict[str, dict[int, dict]], config: dict, machine: dict) ->
                 "compute_bound_tok_s": m["compute_bound_tok_s"],
                 "memory_bound_tok_s": m["memory_bound_tok_s"], "matmul_gflops": m["matmul_gflops"],
                 "embedded_rounds": m["embedded"], "hf_rounds": m["hf"]}
-        runs.append({"precision": precision, "batches": out})
+        runs.append({"precision": precision, "batches": out,
+                     "projections": (projections or {}).get(precision)})
     by = {r["precision"]: r["batches"] for r in runs}
     aims = {"ratio_ge_2": {p: all(b["ratio"] >= AIM_RATIO for b in bs.values())
                            for p, bs in by.items()}}
@@ -198,6 +225,7 @@ def main() -> int:
     tokenizer = load_tokenizer(model_dir)
     rows = prompts(tokenizer, max(batches))
     measured: dict[str, dict[int, dict]] = {}
+    projections: dict[str, str | None] = {}
     started = time.perf_counter()
     for precision in precisions:
         dtype = getattr(torch, precision)
@@ -211,6 +239,7 @@ def main() -> int:
                 url = fleet.urls[0]
                 embedded_tok_s(url, rows[:4], 4)  # warm-up: first prefill, buffers
                 hf_tok_s(model, tokenizer, rows[:4], 4)
+                projections[precision] = server_projections(Path(args.logs or logs))
                 measured[precision] = {}
                 for batch in batches:
                     m = {"embedded": [], "hf": [],
@@ -232,7 +261,7 @@ def main() -> int:
     config = {"model": "smollm2", "new_tokens": new_tokens, "rounds": rounds, "quick": args.quick,
               "batches": batches, "precisions": precisions,
               "wall_s": time.perf_counter() - started}
-    result = report(measured, config, machine)
+    result = report(measured, config, machine, projections)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

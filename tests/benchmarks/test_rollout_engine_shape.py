@@ -47,6 +47,21 @@ def test_the_report_has_the_issues_keys_per_precision_and_batch():
     assert out["aims"]["ratio_ge_2"] == {"float32": False, "bfloat16": True}
 
 
+def test_the_report_says_what_the_servers_projections_were_from_their_log(tmp_path):
+    """The server logs the projections its decode step chose (fused_decode: measured per batch
+    size); the report carries that line per precision, None where no log said it."""
+    bench = _module()
+    (tmp_path / "rollout-server-0.log").write_text(
+        "2026-11-26 06:34:02,461 server INFO avx512-pairs projections measured against oneDNN's\n"
+        "2026-11-26 06:34:02,462 server INFO decode projections: avx512-pairs at 1-3, 64+ rows\n")
+    assert bench.server_projections(tmp_path) == "avx512-pairs at 1-3, 64+ rows"
+    assert bench.server_projections(tmp_path / "missing") is None
+    measured = {"bfloat16": {64: _measured([700], [300], 2500)},
+                "float32": {64: _measured([400], [200], 900)}}
+    out = bench.report(measured, {}, {}, {"bfloat16": "avx512-pairs at 1-3, 64+ rows"})
+    assert [r["projections"] for r in out["runs"]] == ["avx512-pairs at 1-3, 64+ rows", None]
+
+
 def test_the_reference_results_have_that_shape():
     for path in sorted((ROOT / "benchmarks" / "results").glob("rollout_engine*.json")):
         out = json.loads(path.read_text())
