@@ -103,25 +103,71 @@ class ManagedProcess:
 
 def stop_all(processes: Iterable[ManagedProcess | subprocess.Popen | None],
              grace_s: float = 10.0) -> None:
-    """SIGTERM every process group, one shared deadline, then SIGKILL what is left."""
+    """SIGTERM every process group, one shared deadline, then SIGKILL what is left.
+
+    A group is not always the whole tree: ``torch.distributed.run`` starts each rank in a session
+    of its own, and a launcher killed before it has stopped its ranks leaves them orphaned (a
+    cancelled run whose trainer kept computing). So each leader's descendants are found through
+    ``/proc`` while it still lives, signalled with it, and killed with it at the deadline."""
     procs = [p.proc if isinstance(p, ManagedProcess) else p for p in processes]
     procs = [p for p in procs if p is not None and p.poll() is None]
+    tree = _descendants({p.pid for p in procs})
     for p in procs:
         _signal_group(p, signal.SIGTERM)
+    for pid, started in tree.items():
+        _signal_pid(pid, started, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
             p.wait(timeout=max(0.05, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            tree.update(_descendants({p.pid}))  # ranks started during the grace period
             _signal_group(p, signal.SIGKILL)
             p.wait()
     for p in procs:  # children that outlived their leader (a launcher's ranks)
         _signal_group(p, signal.SIGKILL)
+    for pid, started in tree.items():
+        _signal_pid(pid, started, signal.SIGKILL)
 
 
 def _signal_group(p: subprocess.Popen, sig: signal.Signals) -> None:
     try:
         os.killpg(p.pid, sig)  # its own session: pgid == pid
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process; None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[1]), int(fields[19])) if fields[0] != "Z" else None
+
+
+def _descendants(roots: set[int]) -> dict[int, int]:
+    """Every live descendant of ``roots``: pid -> start time (a pid reused later is not ours)."""
+    parents: dict[int, list[tuple[int, int]]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
+            parents.setdefault(stat[0], []).append((int(entry.name), stat[1]))
+    found: dict[int, int] = {}
+    todo = list(roots)
+    while todo:
+        for pid, started in parents.get(todo.pop(), []):
+            if pid not in found:
+                found[pid] = started
+                todo.append(pid)
+    return found
+
+
+def _signal_pid(pid: int, started: int, sig: signal.Signals) -> None:
+    stat = _stat(pid)
+    if stat is None or stat[1] != started:
+        return
+    try:
+        os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 

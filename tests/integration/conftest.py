@@ -41,6 +41,26 @@ def run_processes(run_id: int) -> list[int]:
     return pids
 
 
+def _describe(pid: int) -> str:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return f"{pid} (gone)"
+    return f"{pid} state {stat[0]} parent {stat[1]}: {cmd[:160]}"
+
+
+def wait_for_exit(run_id: int, timeout_s: float, what: str = "every process of the run to exit"):
+    """Until no process of the run is left; a timeout names the ones that stayed, so a slow
+    teardown says which process (a trainer, a server, a flow run) did not stop."""
+    deadline = time.monotonic() + timeout_s
+    while (left := run_processes(run_id)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}; still "
+                             "running:\n" + "\n".join(_describe(pid) for pid in left))
+
+
 def wait_for(predicate, timeout_s: float, what: str, interval: float = 0.5):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

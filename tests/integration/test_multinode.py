@@ -19,6 +19,7 @@ from tests.integration.conftest import (
     run_processes,
     run_status,
     wait_for,
+    wait_for_exit,
 )
 from tests.integration.prefect_cluster import kill, spawn, start_server
 
@@ -142,7 +143,7 @@ def test_two_servers_on_two_nodes_and_a_two_node_trainer_learn(nodes, stack, ari
     assert placements == ["placement plan (built-in, nodes without GPUs): trainer node 0 on "
                           "node-0: 1 rank(s); trainer node 1 on node-1: 1 rank(s); rollout server 0 on node-1; rollout server 1 "
                           "on node-2"]
-    wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")
+    wait_for_exit(run_id, 60, "every process of the run to exit")
 
 
 def _kill_node(nodes: dict, index: int) -> None:
@@ -180,7 +181,7 @@ def test_a_node_that_dies_fails_the_run_naming_it_and_nothing_is_left(nodes, sta
     run = Run.objects.get(id=run_id)
     assert run.status == "failed"
     assert "rollout server 1 on node-2" in run.status_reason and "not answered" in run.status_reason
-    wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")
+    wait_for_exit(run_id, 60, "every process of the run to exit")
 
 
 def test_cancel_from_the_web_app_stops_every_process_on_every_node(nodes, stack, admin):
@@ -191,7 +192,7 @@ def test_cancel_from_the_web_app_stops_every_process_on_every_node(nodes, stack,
     wait_for(lambda: run_status(run_id) == "running", 300, "the run to start")
     wait_for(lambda: len(run_processes(run_id)) >= 6, 120, "the trainers and servers to run")
     admin["api"].post(f"/api/runs/{run_id}/cancel/")
-    wait_for(lambda: not run_processes(run_id), 30, "every process on every node to exit")
+    wait_for_exit(run_id, 30, "every process on every node to exit")
     wait_for(lambda: run_status(run_id) == "cancelled", 60, "the cancelled status")
 
 
@@ -231,7 +232,7 @@ def test_a_failed_run_resumes_on_a_fresh_node_from_the_durable_store(nodes, stac
     assert any((run_dir / "checkpoints").glob("step*/COMPLETE")), "fetched from the store"
     last = MetricPoint.objects.filter(run=run, key="version").order_by("-step").first()
     assert last.step == steps and last.value == steps
-    wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")
+    wait_for_exit(run_id, 60, "every process of the run to exit")
 
 
 def test_a_lost_trainer_node_is_recovered_automatically_with_steps_continuous(nodes, stack, admin):
@@ -268,7 +269,7 @@ def test_a_lost_trainer_node_is_recovered_automatically_with_steps_continuous(no
     trained = sorted(set(MetricPoint.objects.filter(run=run, key="version")
                          .values_list("step", flat=True)))
     assert trained == list(range(1, steps + 1))  # continuous: no step missing
-    wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")
+    wait_for_exit(run_id, 60, "every process of the run to exit")
 
 
 
@@ -325,4 +326,4 @@ def test_a_dead_server_is_replaced_in_place_and_readmitted_at_the_trainers_versi
         assert sorted(set(trained)) == list(range(1, steps + 1))
     assert f"rollout servers end at weight_version {steps}, {steps}" in [
         m for k, m in _events(run_id) if k == "fleet"], _events(run_id)[-6:]
-    wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")
+    wait_for_exit(run_id, 60, "every process of the run to exit")

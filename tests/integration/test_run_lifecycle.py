@@ -8,7 +8,13 @@ import time
 
 import pytest
 
-from tests.integration.conftest import create_run, run_processes, run_status, wait_for
+from tests.integration.conftest import (
+    create_run,
+    run_processes,
+    run_status,
+    wait_for,
+    wait_for_exit,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -48,7 +54,7 @@ def test_api_to_celery_to_prefect_to_trainer_and_metrics_back(stack, project_set
         assert kind in kinds
     statuses = [m for k, m in _events(run_id) if k == "status"]
     assert statuses[:3] == ["provisioning", "running", "succeeded"]
-    wait_for(lambda: not run_processes(run_id), 30, "every process of the run to exit")
+    wait_for_exit(run_id, 30, "every process of the run to exit")
     # The run page shows the trainer's metrics.
     page = project_setup["api"].get(f"/api/runs/{run_id}/").json()
     assert page["latest_metrics"]["version"] == 4.0
@@ -85,8 +91,8 @@ def test_cancel_from_the_api_stops_every_process_within_30s(stack, project_setup
     assert resp.status_code == 202
     start = time.monotonic()
     wait_for(lambda: run_status(run_id) == "cancelled", 30, "status cancelled")
-    wait_for(lambda: not run_processes(run_id), max(1.0, 30 - (time.monotonic() - start)),
-             "every process of the run to be gone")
+    wait_for_exit(run_id, max(1.0, 30 - (time.monotonic() - start)),
+                  "every process of the run to be gone")
 
 
 def test_trainer_sigkill_fails_the_run_with_that_reason_and_tears_down(stack, project_setup):
@@ -98,7 +104,7 @@ def test_trainer_sigkill_fails_the_run_with_that_reason_and_tears_down(stack, pr
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: run_status(run_id) == "failed", 60, "status failed")
     assert Run.objects.get(id=run_id).status_reason.startswith("trainer killed by SIGKILL")
-    wait_for(lambda: not run_processes(run_id), 30, "teardown")
+    wait_for_exit(run_id, 30, "teardown")
 
 
 def test_rollout_server_killed_is_restarted_and_the_run_succeeds(stack, project_setup):

@@ -30,7 +30,13 @@ from pathlib import Path
 import pytest
 
 from tests.integration import cloud_sim
-from tests.integration.conftest import ROOT, create_run, run_processes, run_status, wait_for
+from tests.integration.conftest import (
+    ROOT,
+    create_run,
+    run_status,
+    wait_for,
+    wait_for_exit,
+)
 from tests.integration.prefect_cluster import kill, start_server
 from training_core.launch import free_port
 
@@ -221,7 +227,7 @@ def test_a_run_on_two_nodes_booted_from_terraforms_cloud_init(cloud, stack, admi
         assert any("training_core.cli" in v["cmdline"] for v in views), views
     # The durable store received the run's checkpoints.
     assert any((cloud["store"] / f"run-{run_id}" / "checkpoints").glob("step*/COMPLETE"))
-    wait_for(lambda: not run_processes(run_id), 60, "every process of the run to exit")
+    wait_for_exit(run_id, 60, "every process of the run to exit")
     for worker in cloud["workers"]:
         wait_for(lambda w=worker: not cloud_sim.descendants(w.pid), 60,
                  "the nodes' flow runs to exit")

@@ -6,7 +6,12 @@ import json
 
 import pytest
 
-from tests.integration.conftest import create_run, run_processes, run_status, wait_for
+from tests.integration.conftest import (
+    create_run,
+    run_status,
+    wait_for,
+    wait_for_exit,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 TF_VARS = {"region": "us-east-1", "availability_zone": "us-east-1a", "instance_type": "g5.xlarge",
@@ -52,4 +57,4 @@ def test_cancelled_run_destroys_its_nodes(stack, project_setup):
     project_setup["api"].post(f"/api/runs/{run_id}/cancel/")
     wait_for(lambda: run_status(run_id) == "cancelled", 30, "cancellation")
     wait_for(lambda: "destroy" in _tf_calls(stack, run_id), 30, "terraform destroy")
-    wait_for(lambda: not run_processes(run_id), 30, "teardown")
+    wait_for_exit(run_id, 30, "teardown")

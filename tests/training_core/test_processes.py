@@ -50,6 +50,32 @@ def test_stop_all_kills_every_group_including_children_that_ignore_sigterm(tmp_p
     stop_all(procs)  # stopping what is stopped is a no-op
 
 
+# A launcher whose child runs in a session of its own, as torch.distributed.run starts its ranks:
+# killing the launcher's group does not reach it.
+LAUNCHER = ("trap '' TERM; setsid bash -c \"trap '' TERM; while true; do sleep 0.1; done\" & "
+            "echo $! > {pidfile}; while true; do sleep 0.1; done")
+
+
+def test_stop_all_kills_descendants_in_sessions_of_their_own(tmp_path):
+    pidfile = tmp_path / "rank"
+    launcher = ManagedProcess("launcher", ["bash", "-c", LAUNCHER.format(pidfile=pidfile)],
+                              tmp_path / "launcher.log").start()
+    for _ in range(100):
+        if pidfile.exists() and pidfile.read_text().strip():
+            break
+        time.sleep(0.05)
+    rank = int(pidfile.read_text())
+    assert os.getsid(rank) != os.getsid(launcher.pid)  # out of reach of the group's signals
+
+    stop_all([launcher], grace_s=0.5)
+
+    for _ in range(50):
+        if not _exists(rank):
+            break
+        time.sleep(0.05)
+    assert not launcher.alive() and not _exists(rank)
+
+
 def _http_server(tmp_path, port: int) -> ManagedProcess:
     return ManagedProcess("web", [sys.executable, "-m", "http.server", "--bind", "127.0.0.1",
                                   str(port)], tmp_path / "web.log",

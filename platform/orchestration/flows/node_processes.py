@@ -10,19 +10,25 @@
 Each node prepares its own run directory from the web app over HTTP with the run's token (spec,
 data, reward code) and the durable store (the warm-started model): nothing is shared between
 nodes but the network. A flow returns when its
-process exits (a failure raises, naming the node); cancelling the flow run makes the worker stop
-this flow, which stops its process group first.
+process exits (a failure raises, naming the node); cancelling the flow run stops its process
+group first: on the worker's SIGTERM, or when the flow's own read of its state sees the cancel.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_client, get_run_logger
+from prefect import runtime as prefect_runtime
+from prefect.client.schemas.objects import StateType
+from prefect.exceptions import MissingContextError
+from prefect.states import Cancelled
 from prefect.variables import Variable
 
 from orchestration.launchers import warm_start
@@ -82,18 +88,66 @@ def prepare_node_run(tracker_url: str, ingest_token: str, run_dir: Path) -> tupl
     return spec, spec_path
 
 
-def _run_until_exit(proc: ManagedProcess, what: str) -> None:
-    """Hold the flow while ``proc`` runs; SIGTERM (the worker cancelling this flow run) stops
-    the process group first."""
+# How often a node's flow reads its own flow run's state. Prefect's worker learns of a cancel
+# from an event stream, which lags when the API server is busy (or polls every 10 s when the
+# stream is down); this read bounds how long a cancelled run's processes outlive the cancel.
+CANCEL_POLL_S = 3.0
+
+
+def _flow_run_cancelling() -> bool:
+    """This flow run is being cancelled, by its state in Prefect's API (False outside a flow run
+    and while the API does not answer: Prefect's own path still stops the flow then)."""
+    flow_run_id = prefect_runtime.flow_run.id
+    if not flow_run_id:
+        return False
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run_id).state
+    except Exception:  # noqa: BLE001 - a busy API is asked again at the next poll
+        return False
+    return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
+
+
+def _mark_cancelled(message: str) -> None:
+    """Cancelled, so that the exit that follows (a crash, to Prefect's engine) does not read as
+    one: Prefect keeps a terminal state against a crash."""
+    flow_run_id = prefect_runtime.flow_run.id
+    if flow_run_id:
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run_id, Cancelled(message=message), force=True)
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    try:
+        return get_run_logger()
+    except MissingContextError:  # called outside a flow run
+        return logging.getLogger(__name__)
+
+
+def _run_until_exit(proc: ManagedProcess, what: str, *,
+                    cancelling: Callable[[], bool] = _flow_run_cancelling,
+                    poll_s: float = CANCEL_POLL_S) -> None:
+    """Hold the flow while ``proc`` runs. Its process group is stopped first when this flow run
+    is cancelled: on SIGTERM (the worker cancelling it), or when a read of the flow run's own
+    state says so first."""
 
     def stop(signum, frame):  # noqa: ARG001 - signal handler signature
         proc.stop(grace_s=10.0)
         sys.exit(143)
 
     signal.signal(signal.SIGTERM, stop)
+    next_read = time.monotonic() + poll_s
     try:
         while proc.alive():
-            time.sleep(0.5)
+            time.sleep(min(0.5, poll_s))
+            if time.monotonic() < next_read:
+                continue
+            if cancelling():
+                _logger().info("%s: this flow run is being cancelled; stopping it", what)
+                proc.stop(grace_s=10.0)
+                _mark_cancelled(f"cancelled: {what} on {node_address()} stopped")
+                sys.exit(143)
+            next_read = time.monotonic() + poll_s
     finally:
         proc.stop(grace_s=10.0)
     code = proc.poll()
