@@ -12,8 +12,8 @@ tokens over wall time, prefill included on both sides.
 The machine's bound, measured in the same run: compute (a decode-shaped matmul,
 [batch, hidden] x [hidden, intermediate], at this precision and thread count, torch's or the
 engine's projection kernel's, whichever is faster, against 2 FLOPs
-per parameter per token) and memory (every weight read once per decode step, at the bandwidth
-of a large copy). ``bound_tok_s`` is the lower of the two; the engine's share of it is what is
+per parameter per token) and memory (every weight read once per decode step, and each row's
+KV cache at the mean context, prompt plus half the answer, at the bandwidth of a large copy). ``bound_tok_s`` is the lower of the two; the engine's share of it is what is
 left to win. Writes {"runs": [{"precision", "batches": {"16": {"embedded_tok_s", "hf_tok_s",
 "ratio", "bound_tok_s", ...}, "64": {...}}}, ...], "machine": {...}, "config": {...}}.
 Aims (issue 26): bfloat16 batch 64 >= 2,000 tok/s, and >= 2x HF at each precision.
@@ -139,13 +139,26 @@ def copy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9  # read + write
 
 
-def bound(params: int, hidden: int, inner: int, batch: int, dtype: torch.dtype) -> dict:
+def kv_bytes_per_row(cfg, dtype: torch.dtype, context: float) -> float:
+    """The KV cache one row's decode step reads at ``context`` positions: keys and values of
+    every layer (at 64 rows and ~100 positions, about half the weights' bytes for SmolLM2)."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
+    return context * per_position * torch.finfo(dtype).bits / 8
+
+
+def bound(params: int, hidden: int, inner: int, batch: int, dtype: torch.dtype,
+          kv_row_bytes: float = 0.0) -> dict:
+    """Compute: 2 FLOPs per parameter per token at the measured matmul rate. Memory: a step
+    reads every weight once and each row's KV cache (``kv_row_bytes``), at the copy's rate."""
     gflops = matmul_gflops(batch, hidden, inner, dtype)
     gbps = copy_gbps()
     compute = gflops * 1e9 / (2 * params)
-    memory = batch * gbps * 1e9 / (params * torch.finfo(dtype).bits // 8)
+    weight_bytes = params * torch.finfo(dtype).bits / 8
+    memory = batch * gbps * 1e9 / (weight_bytes + batch * kv_row_bytes)
     return {"matmul_gflops": gflops, "copy_gbps": gbps, "compute_bound_tok_s": compute,
-            "memory_bound_tok_s": memory, "bound_tok_s": min(compute, memory)}
+            "memory_bound_tok_s": memory, "bound_tok_s": min(compute, memory),
+            "step_mb": {"weights": weight_bytes / 1e6, "kv_cache": batch * kv_row_bytes / 1e6}}
 
 
 # ---- the report ---------------------------------------------------------------------------------
@@ -177,6 +190,7 @@ def report(measured: dict[str, dict[int, dict]], config: dict, machine: dict,
                 "bound_tok_s": m["bound_tok_s"], "share_of_bound": emb / m["bound_tok_s"],
                 "compute_bound_tok_s": m["compute_bound_tok_s"],
                 "memory_bound_tok_s": m["memory_bound_tok_s"], "matmul_gflops": m["matmul_gflops"],
+                "step_mb": m.get("step_mb"),
                 "embedded_rounds": m["embedded"], "hf_rounds": m["hf"]}
         runs.append({"precision": precision, "batches": out,
                      "projections": (projections or {}).get(precision)})
@@ -242,8 +256,11 @@ def main() -> int:
                 projections[precision] = server_projections(Path(args.logs or logs))
                 measured[precision] = {}
                 for batch in batches:
+                    # the mean context a decode step reads: the prompt and half the answer
+                    context = statistics.mean(map(len, rows[:batch])) + new_tokens / 2
                     m = {"embedded": [], "hf": [],
-                         **bound(params, cfg.hidden_size, cfg.intermediate_size, batch, dtype)}
+                         **bound(params, cfg.hidden_size, cfg.intermediate_size, batch, dtype,
+                                 kv_bytes_per_row(cfg, dtype, context))}
                     for r in range(rounds):  # alternate which side goes first
                         for side in (("embedded", "hf") if r % 2 == 0 else ("hf", "embedded")):
                             m[side].append(

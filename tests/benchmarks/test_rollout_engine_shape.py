@@ -69,3 +69,23 @@ def test_the_reference_results_have_that_shape():
             assert run["precision"] in ("float32", "bfloat16")
             for b in run["batches"].values():
                 assert {"embedded_tok_s", "hf_tok_s", "ratio", "bound_tok_s"} <= set(b)
+
+
+def test_the_memory_bound_counts_each_rows_kv_cache():
+    """A decode step reads each row's keys and values of every layer besides the weights: at 64
+    rows and ~100 positions that is about half the weights' bytes for SmolLM2, so a bound of
+    weights alone overstates what the memory allows."""
+    from types import SimpleNamespace
+
+    import torch
+
+    bench = _module()
+    smollm2 = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                              num_hidden_layers=30)
+    # keys and values, 30 layers, 3 heads of 64 dims, 2 bytes each, at 100 positions
+    assert bench.kv_bytes_per_row(smollm2, torch.bfloat16, 100) == 2 * 30 * 3 * 64 * 2 * 100
+    assert bench.kv_bytes_per_row(smollm2, torch.float32, 50.5) == 2 * 30 * 3 * 64 * 4 * 50.5
+    out = bench.report({"bfloat16": {64: {**_measured([700], [300], 2500),
+                                          "step_mb": {"weights": 269.1, "kv_cache": 150.0}}}},
+                       {"new_tokens": 32}, {"threads": 2})
+    assert out["runs"][0]["batches"]["64"]["step_mb"] == {"weights": 269.1, "kv_cache": 150.0}
