@@ -139,11 +139,11 @@ def _signal_group(p: subprocess.Popen, sig: signal.Signals) -> None:
 
 def _stat(pid: int) -> tuple[int, int] | None:
     """(parent pid, start time in clock ticks) of a live process; None when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    try:  # bytes: a name cut at 15 bytes may end inside a UTF-8 character
+        fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+        return (int(fields[1]), int(fields[19])) if fields[0] != b"Z" else None
+    except (OSError, IndexError, ValueError):
         return None
-    return (int(fields[1]), int(fields[19])) if fields[0] != "Z" else None
 
 
 def _descendants(roots: set[int]) -> dict[int, int]:

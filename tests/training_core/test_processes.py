@@ -52,8 +52,9 @@ def test_stop_all_kills_every_group_including_children_that_ignore_sigterm(tmp_p
 
 # A launcher whose child runs in a session of its own, as torch.distributed.run starts its ranks:
 # killing the launcher's group does not reach it.
-LAUNCHER = ("trap '' TERM; setsid bash -c \"trap '' TERM; while true; do sleep 0.1; done\" & "
-            "echo $! > {pidfile}; while true; do sleep 0.1; done")
+# The child writes its pid from inside its new session, so the test never sees it before setsid.
+LAUNCHER = ("trap '' TERM; setsid bash -c \"echo \\$\\$ > {pidfile}; trap '' TERM; "
+            "while true; do sleep 0.1; done\" & while true; do sleep 0.1; done")
 
 
 def test_stop_all_kills_descendants_in_sessions_of_their_own(tmp_path):

@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from prefect import flow, get_client, get_run_logger
-from prefect import runtime as prefect_runtime
+from prefect import flow, get_run_logger
 from prefect.client.schemas.objects import StateType
+from prefect.context import FlowRunContext
 from prefect.exceptions import MissingContextError
 from prefect.states import Cancelled
 from prefect.variables import Variable
@@ -97,24 +97,29 @@ CANCEL_POLL_S = 3.0
 def _flow_run_cancelling() -> bool:
     """This flow run is being cancelled, by its state in Prefect's API (False outside a flow run
     and while the API does not answer: Prefect's own path still stops the flow then)."""
-    flow_run_id = prefect_runtime.flow_run.id
-    if not flow_run_id:
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
         return False
     try:
-        with get_client(sync_client=True) as client:
-            state = client.read_flow_run(flow_run_id).state
+        state = ctx.client.read_flow_run(ctx.flow_run.id).state  # the engine's open client
     except Exception:  # noqa: BLE001 - a busy API is asked again at the next poll
         return False
     return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
 
 
 def _mark_cancelled(message: str) -> None:
-    """Cancelled, so that the exit that follows (a crash, to Prefect's engine) does not read as
-    one: Prefect keeps a terminal state against a crash."""
-    flow_run_id = prefect_runtime.flow_run.id
-    if flow_run_id:
-        with get_client(sync_client=True) as client:
-            client.set_flow_run_state(flow_run_id, Cancelled(message=message), force=True)
+    """Cancelled in the API and in the engine's own copy of the state. The exit that follows is
+    a crash to Prefect's engine unless its copy is already final, and a crash is forced over
+    any state: the run would read Crashed, which a supervisor takes for a failure to recover."""
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return
+    try:
+        result = ctx.client.set_flow_run_state(ctx.flow_run.id, Cancelled(message=message),
+                                               force=True)
+        ctx.flow_run.state = result.state
+    except Exception:  # noqa: BLE001 - the process is stopped; the worker's cancel still ends the run
+        _logger().warning("could not mark this flow run cancelled", exc_info=True)
 
 
 def _logger() -> logging.Logger | logging.LoggerAdapter:
@@ -131,7 +136,11 @@ def _run_until_exit(proc: ManagedProcess, what: str, *,
     is cancelled: on SIGTERM (the worker cancelling it), or when a read of the flow run's own
     state says so first."""
 
+    stopping = False
+
     def stop(signum, frame):  # noqa: ARG001 - signal handler signature
+        if stopping:  # the worker's SIGTERM for the cancel this flow already acts on: one stop
+            return
         proc.stop(grace_s=10.0)
         sys.exit(143)
 
@@ -143,6 +152,7 @@ def _run_until_exit(proc: ManagedProcess, what: str, *,
             if time.monotonic() < next_read:
                 continue
             if cancelling():
+                stopping = True
                 _logger().info("%s: this flow run is being cancelled; stopping it", what)
                 proc.stop(grace_s=10.0)
                 _mark_cancelled(f"cancelled: {what} on {node_address()} stopped")
