@@ -142,8 +142,9 @@ def copy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
 def kv_bytes_per_row(cfg, dtype: torch.dtype, context: float) -> float:
     """The KV cache one row's decode step reads at ``context`` positions: keys and values of
     every layer (at 64 rows and ~100 positions, about half the weights' bytes for SmolLM2)."""
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
+    from training_core.engines.fused_decode import head_dim
+
+    per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim(cfg)
     return context * per_position * torch.finfo(dtype).bits / 8
 
 

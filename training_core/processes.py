@@ -111,6 +111,8 @@ def stop_all(processes: Iterable[ManagedProcess | subprocess.Popen | None],
     ``/proc`` while it still lives, signalled with it, and killed with it at the deadline."""
     procs = [p.proc if isinstance(p, ManagedProcess) else p for p in processes]
     procs = [p for p in procs if p is not None and p.poll() is None]
+    if not procs:  # stopped already (every ``finally`` stops again): no scan of /proc
+        return
     tree = _descendants({p.pid for p in procs})
     for p in procs:
         _signal_group(p, signal.SIGTERM)

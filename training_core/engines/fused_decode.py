@@ -88,7 +88,7 @@ class FusedDecoder:
         cfg = model.config
         self.model = model
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.head_dim = head_dim(cfg)
         self.hidden = cfg.hidden_size
         self._qkv: list[torch.Tensor] = []
         # cpu_kernels' attention and norm where they are built; None: torch's operators
@@ -238,12 +238,16 @@ def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
                         up.detach().reshape(rows // 16, 16, width)], 1).reshape(2 * rows, width)
 
 
+def head_dim(config) -> int:
+    """An attention head's width: the config's own where it sets one, else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _kernel_fits(model: nn.Module) -> bool:
     """The projection kernels' shapes for the layers: every projection's sizes multiples of 32 (gate and
     up interleave in blocks of 16, so twice the intermediate size)."""
     cfg = model.config
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    heads, kv, dim = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
     sizes = (cfg.hidden_size, (heads + 2 * kv) * dim, heads * dim, cfg.intermediate_size)
     return all(n % 32 == 0 for n in sizes)
 
