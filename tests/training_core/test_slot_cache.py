@@ -26,7 +26,9 @@ class Batch:
 
     @torch.no_grad()
     def join(self, prompts: list[list[int]]) -> torch.Tensor:
-        layers_kv, mask, logits = forest_prefill(self.model, prompts, torch.device("cpu"))
+        # with the fused decoder, its prefill too (as the engine runs it)
+        layers_kv, mask, logits = forest_prefill(self.model, prompts, torch.device("cpu"),
+                                                 fused=self.fused)
         if self.slots is None:
             keys = layers_kv[0][0]
             self.slots = SlotCache(len(layers_kv), keys.shape[1], keys.shape[3], keys.dtype,
@@ -113,12 +115,18 @@ def test_decoding_through_joins_moves_and_growth_matches_full_forwards(tiny_mode
     assert batch.slots.valid.shape[1] > 128 and batch.slots.valid.shape[0] > 16
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["transformers", "fused"])
 def test_a_forest_prefill_shares_prefixes_and_splits_rows_and_matches_full_forwards(
-        tiny_model_dir, monkeypatch):
+        tiny_model_dir, monkeypatch, fused):
     """Samples resumed after a weight update: one prompt, answers with common starts, one answer
-    a prefix of another, a second prompt; rows split (small budget), then decoding goes on."""
+    a prefix of another, a second prompt; rows split (small budget), then decoding goes on.
+    Through transformers' forward, and through the fused decoder's prefill and decode step."""
+    if fused and not cpu_kernels.load():
+        pytest.skip("no C++ toolchain to build cpu_kernels with")
     monkeypatch.setattr(slot_cache, "PREFILL_ROW_NODES", 16)
     model = load_model(tiny_model_dir).eval()
+    if fused:
+        pack_linears(model)
     model.config._attn_implementation = ATTENTION
     reference = load_model(tiny_model_dir).eval()
     prompt, other = [5, 9, 13, 7, 21, 4], [8, 8, 30]
@@ -128,7 +136,7 @@ def test_a_forest_prefill_shares_prefixes_and_splits_rows_and_matches_full_forwa
     assert forest.input_ids.shape[0] > 1, "the budget splits the forest into rows"
     assert int((forest.input_ids != 0).sum()) < sum(len(q) for q in seqs), "prefixes shared"
 
-    batch = Batch(model)
+    batch = Batch(model, kernel=fused)
     logits = batch.join([list(q) for q in seqs])
     torch.testing.assert_close(logits, _reference(reference, seqs), atol=1e-4, rtol=1e-4)
     for step in range(5):

@@ -472,7 +472,8 @@ class GenerationEngine:
         # often the start of their answers. No padding is computed either.
         distinct: dict[tuple[int, ...], int] = {}
         owner = [distinct.setdefault(tuple(s.tokens), len(distinct)) for s in seqs]
-        layers_kv, mask, last_logits = forest_prefill(self.model, list(distinct), self.device)
+        layers_kv, mask, last_logits = forest_prefill(self.model, list(distinct), self.device,
+                                                      fused=self._fused)
         if self._slots is None:
             keys = layers_kv[0][0]
             self._slots = SlotCache(len(layers_kv), keys.shape[1], keys.shape[3], keys.dtype,

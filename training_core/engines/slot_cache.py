@@ -25,11 +25,16 @@ Prefill: :func:`forest_prefill` runs the joining sequences as a prefix forest
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 
 from training_core.engines.prefix_tree import layer_masks, prefill_forest
+
+if TYPE_CHECKING:  # fused_decode imports this module
+    from training_core.engines.fused_decode import FusedDecoder
 
 ATTENTION = "oolong_slots"
 LEFT_HEADROOM = 32  # columns kept free left of a new window, for longer joiners
@@ -268,14 +273,15 @@ def _uninitialized(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def forest_prefill(model: torch.nn.Module, seqs: list[list[int]], device: torch.device
+def forest_prefill(model: torch.nn.Module, seqs: list[list[int]], device: torch.device,
+                   fused: FusedDecoder | None = None
                    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
     """Prefill ``seqs`` on a prefix forest (``prefix_tree.prefill_forest``): every distinct
     prefix once, no padding computed. Returns each layer's keys and values per sequence,
     left-padded ([U, Hkv, P, D], what :meth:`SlotCache.join` takes), the mask [U, P] and the
-    logits after each sequence's last token [U, V]."""
+    logits after each sequence's last token [U, V]. With ``fused`` (the engine's decoder for
+    ``model``) the forward is its :meth:`~FusedDecoder.prefill`, else transformers'."""
     forest = prefill_forest(seqs, PREFILL_ROW_NODES)
-    cache = DynamicCache()
     depths = forest.position_ids.to(device)
     rows = len(depths)
     masks = layer_masks(model.config, forest.allowed.to(device),
@@ -286,8 +292,14 @@ def forest_prefill(model: torch.nn.Module, seqs: list[list[int]], device: torch.
     cols = forest.input_ids.shape[1]
     last = forest.last.to(device)
     keep = torch.unique(last % cols)  # sorted
-    out = model(input_ids=forest.input_ids.to(device), attention_mask=masks,
-                position_ids=depths, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+    if fused is not None:
+        computed, kept_logits = fused.prefill(forest.input_ids.to(device), depths, masks, keep)
+    else:
+        cache = DynamicCache()
+        out = model(input_ids=forest.input_ids.to(device), attention_mask=masks,
+                    position_ids=depths, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        computed = [(layer.keys, layer.values) for layer in cache.layers]
+        kept_logits = out.logits.reshape(-1, out.logits.shape[-1])
     nodes = forest.nodes.to(device)
     units, width = nodes.shape
 
@@ -295,8 +307,8 @@ def forest_prefill(model: torch.nn.Module, seqs: list[list[int]], device: torch.
         flat = t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
         return flat.index_select(0, nodes.view(-1)).view(units, width, *flat.shape[1:]).transpose(1, 2)
 
-    layers_kv = [(columns(layer.keys), columns(layer.values)) for layer in cache.layers]
+    layers_kv = [(columns(keys), columns(values)) for keys, values in computed]
     kept = (last // cols) * len(keep) + torch.searchsorted(keep, last % cols)  # in [R, C]
-    logits = out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, kept)
+    logits = kept_logits.index_select(0, kept)
     return layers_kv, forest.mask.to(device), logits
 
