@@ -4,7 +4,10 @@
 - Every process starts in its own session (process group), logging to its own file, so stopping
   it stops whatever it started (a launcher's ranks, SGLang's scheduler processes).
 - ``stop_all`` signals every group at once and gives them one shared deadline before SIGKILL:
-  stopping N servers takes one grace period, not N.
+  stopping N servers takes one grace period, not N. It reaches what left the group too: a
+  launcher's ranks in sessions of their own, and those orphaned by a launcher that died first
+  (every process a ManagedProcess starts, and their descendants, carry its tag in their
+  environment).
 - A restarted server is handed back only after its ``bring_up`` callback (load the current
   weights and check the reply) has succeeded; until then it is not part of the fleet's healthy
   set, and a failure stops it again and raises.
@@ -16,6 +19,7 @@ import os
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +35,7 @@ ENV_ALLOW = frozenset({
     "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HOME", "HF_HUB_OFFLINE",
     "TRANSFORMERS_OFFLINE", "OOLONG_CACHE", "OOLONG_NODE_ADDRESS", "OOLONG_CHECKPOINT_STORE",
     "OOLONG_RUN_ID",  # marks every process of a run (what an operator greps /proc for)
+    "OOLONG_PROCESS_TAG",  # marks the processes a ManagedProcess started (stop_all finds them)
     "OOLONG_PORT_RANGE",  # the ports a node's processes may listen on (launch.free_port)
     "OOLONG_FUSED_DECODE",  # "0": the embedded servers decode through transformers' forward
     # "0": without the engine's C++ kernels / its AMX / its AVX-512 projections
@@ -50,6 +55,9 @@ def process_env(extra: dict[str, str] | None = None,
     return {**env, **(extra or {})}
 
 
+PROCESS_TAG_ENV = "OOLONG_PROCESS_TAG"  # space-separated: a nested ManagedProcess adds its own
+
+
 @dataclass
 class ManagedProcess:
     name: str
@@ -58,12 +66,19 @@ class ManagedProcess:
     env: dict[str, str] | None = None
     health_url: str | None = None  # GET answers 200 once it serves
     proc: subprocess.Popen | None = field(default=None, repr=False)
+    # In the environment of everything it starts, inherited by their children: stop_all finds
+    # them by it, even when their parent died and they were re-parented
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex, repr=False)
+    swept: bool = field(default=False, repr=False)  # stop_all has looked for them since start
 
     def start(self) -> ManagedProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ if self.env is None else self.env)
+        env[PROCESS_TAG_ENV] = f"{env.get(PROCESS_TAG_ENV, '')} {self.tag}".strip()
         with self.log.open("a") as out:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
-                                         env=self.env, start_new_session=True)
+                                         env=env, start_new_session=True)
+        self.swept = False
         return self
 
     @property
@@ -108,12 +123,18 @@ def stop_all(processes: Iterable[ManagedProcess | subprocess.Popen | None],
     A group is not always the whole tree: ``torch.distributed.run`` starts each rank in a session
     of its own, and a launcher killed before it has stopped its ranks leaves them orphaned (a
     cancelled run whose trainer kept computing). So each leader's descendants are found through
-    ``/proc`` while it still lives, signalled with it, and killed with it at the deadline."""
-    procs = [p.proc if isinstance(p, ManagedProcess) else p for p in processes]
+    ``/proc`` while it still lives, signalled with it, and killed with it at the deadline; and a
+    ManagedProcess's by its tag as well, which also finds the orphans of a leader that died
+    before this call (a launcher killed by the OOM killer) and ranks started during the grace
+    period by a launcher that then exited."""
+    managed = [p for p in processes if p is not None]
+    tags = {p.tag for p in managed
+            if isinstance(p, ManagedProcess) and p.proc is not None and not p.swept}
+    procs = [p.proc if isinstance(p, ManagedProcess) else p for p in managed]
     procs = [p for p in procs if p is not None and p.poll() is None]
-    if not procs:  # stopped already (every ``finally`` stops again): no scan of /proc
+    if not procs and not tags:  # stopped already (every ``finally`` stops again): no /proc scan
         return
-    tree = _descendants({p.pid for p in procs})
+    tree = _descendants({p.pid for p in procs}) | _tagged(tags)
     for p in procs:
         _signal_group(p, signal.SIGTERM)
     for pid, started in tree.items():
@@ -128,8 +149,12 @@ def stop_all(processes: Iterable[ManagedProcess | subprocess.Popen | None],
             p.wait()
     for p in procs:  # children that outlived their leader (a launcher's ranks)
         _signal_group(p, signal.SIGKILL)
+    tree.update(_tagged(tags))  # started while it stopped, by whichever parent
     for pid, started in tree.items():
         _signal_pid(pid, started, signal.SIGKILL)
+    for p in managed:
+        if isinstance(p, ManagedProcess):
+            p.swept = True
 
 
 def _signal_group(p: subprocess.Popen, sig: signal.Signals) -> None:
@@ -146,6 +171,30 @@ def _stat(pid: int) -> tuple[int, int] | None:
         return (int(fields[1]), int(fields[19])) if fields[0] != b"Z" else None
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _tagged(tags: set[str]) -> dict[int, int]:
+    """Every live process (but this one) whose environment carries one of ``tags`` in
+    PROCESS_TAG_ENV: pid -> start time. Other users' processes cannot be read, and carry no tag
+    of ours."""
+    if not tags:
+        return {}
+    found: dict[int, int] = {}
+    prefix = PROCESS_TAG_ENV.encode() + b"="
+    wanted = {t.encode() for t in tags}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        for var in environ.split(b"\0"):
+            if var.startswith(prefix) and wanted.intersection(var[len(prefix):].split()):
+                if (stat := _stat(int(entry.name))) is not None:
+                    found[int(entry.name)] = stat[1]
+                break
+    return found
 
 
 def _descendants(roots: set[int]) -> dict[int, int]:

@@ -4,14 +4,16 @@ handed back only once brought up."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from training_core.launch import free_port
-from training_core.processes import Fleet, ManagedProcess, process_env, stop_all
+from training_core.processes import PROCESS_TAG_ENV, Fleet, ManagedProcess, process_env, stop_all
 
 # Ignores SIGTERM and starts a grandchild that would outlive a plain kill of the leader.
 STUBBORN = "trap '' TERM; sleep 300 & echo $! > {pidfile}; while true; do sleep 0.1; done"
@@ -75,6 +77,54 @@ def test_stop_all_kills_descendants_in_sessions_of_their_own(tmp_path):
             break
         time.sleep(0.05)
     assert not launcher.alive() and not _exists(rank)
+
+
+def test_stop_all_kills_the_orphans_of_a_launcher_that_died_first(tmp_path):
+    """A launcher killed before anyone stopped it (the OOM killer, a crash) leaves its ranks
+    re-parented, out of its tree and its group; they still carry its tag."""
+    pidfile = tmp_path / "rank"
+    launcher = ManagedProcess("launcher", ["bash", "-c", LAUNCHER.format(pidfile=pidfile)],
+                              tmp_path / "launcher.log").start()
+    for _ in range(100):
+        if pidfile.exists() and pidfile.read_text().strip():
+            break
+        time.sleep(0.05)
+    rank = int(pidfile.read_text())
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.proc.wait()
+    assert _exists(rank) and _parent(rank) != launcher.pid  # an orphan now
+
+    stop_all([launcher], grace_s=0.5)
+
+    for _ in range(50):
+        if not _exists(rank):
+            break
+        time.sleep(0.05)
+    assert not _exists(rank)
+
+
+def test_a_tag_marks_only_its_own_processes(tmp_path):
+    """Stopping one process does not reach another's children, though both carry tags; a nested
+    ManagedProcess's children carry the outer tag too."""
+    outer = ManagedProcess("outer", ["sleep", "30"], tmp_path / "outer.log").start()
+    other = ManagedProcess("other", ["sleep", "30"], tmp_path / "other.log").start()
+    try:
+        environ = Path(f"/proc/{outer.pid}/environ").read_bytes().split(b"\0")
+        assert f"{PROCESS_TAG_ENV}={outer.tag}".encode() in environ
+        nested = ManagedProcess("nested", ["sleep", "30"], tmp_path / "nested.log",
+                                env={PROCESS_TAG_ENV: outer.tag}).start()
+        stop_all([outer], grace_s=0.5)
+        for _ in range(50):
+            if nested.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert nested.poll() is not None and other.alive()
+    finally:
+        stop_all([outer, other], grace_s=0.5)
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def _http_server(tmp_path, port: int) -> ManagedProcess:
