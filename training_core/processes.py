@@ -134,7 +134,7 @@ def stop_all(processes: Iterable[ManagedProcess | subprocess.Popen | None],
     procs = [p for p in procs if p is not None and p.poll() is None]
     if not procs and not tags:  # stopped already (every ``finally`` stops again): no /proc scan
         return
-    tree = _descendants({p.pid for p in procs}) | _tagged(tags)
+    tree = (_descendants({p.pid for p in procs}) if procs else {}) | _tagged(tags)
     for p in procs:
         _signal_group(p, signal.SIGTERM)
     for pid, started in tree.items():
@@ -149,6 +149,10 @@ def stop_all(processes: Iterable[ManagedProcess | subprocess.Popen | None],
             p.wait()
     for p in procs:  # children that outlived their leader (a launcher's ranks)
         _signal_group(p, signal.SIGKILL)
+    # The rest of the grace period for what is left of the tree: the orphans of a dead leader
+    # (no leader to wait for above) get the same deadline to stop on SIGTERM
+    while time.monotonic() < deadline and any(_alive(pid, started) for pid, started in tree.items()):
+        time.sleep(0.05)
     tree.update(_tagged(tags))  # started while it stopped, by whichever parent
     for pid, started in tree.items():
         _signal_pid(pid, started, signal.SIGKILL)
@@ -164,13 +168,22 @@ def _signal_group(p: subprocess.Popen, sig: signal.Signals) -> None:
         pass
 
 
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time in clock ticks) of a live process; None when it is gone."""
+def _stat(pid: int, *, waiting: bool = True) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process; None when it is gone (or a
+    zombie), and with ``waiting`` False also when it sleeps uninterruptibly (state D: reading
+    its environment could block on its memory map's lock)."""
     try:  # bytes: a name cut at 15 bytes may end inside a UTF-8 character
         fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
-        return (int(fields[1]), int(fields[19])) if fields[0] != b"Z" else None
+        if fields[0] == b"Z" or (fields[0] == b"D" and not waiting):
+            return None
+        return int(fields[1]), int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _alive(pid: int, started: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[1] == started
 
 
 def _tagged(tags: set[str]) -> dict[int, int]:
@@ -185,14 +198,18 @@ def _tagged(tags: set[str]) -> dict[int, int]:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
+        pid = int(entry.name)
+        if (stat := _stat(pid, waiting=False)) is None:
+            continue
         try:
             environ = (entry / "environ").read_bytes()
         except OSError:
             continue
         for var in environ.split(b"\0"):
-            if var.startswith(prefix) and wanted.intersection(var[len(prefix):].split()):
-                if (stat := _stat(int(entry.name))) is not None:
-                    found[int(entry.name)] = stat[1]
+            # the start time again: the environment read was of this process, not a successor
+            if (var.startswith(prefix) and wanted.intersection(var[len(prefix):].split())
+                    and _alive(pid, stat[1])):
+                found[pid] = stat[1]
                 break
     return found
 

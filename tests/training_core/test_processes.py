@@ -59,7 +59,8 @@ LAUNCHER = ("trap '' TERM; setsid bash -c \"echo \\$\\$ > {pidfile}; trap '' TER
             "while true; do sleep 0.1; done\" & while true; do sleep 0.1; done")
 
 
-def test_stop_all_kills_descendants_in_sessions_of_their_own(tmp_path):
+def _launcher_with_a_rank(tmp_path) -> tuple[ManagedProcess, int]:
+    """LAUNCHER started, and its rank's pid once the rank runs in its own session."""
     pidfile = tmp_path / "rank"
     launcher = ManagedProcess("launcher", ["bash", "-c", LAUNCHER.format(pidfile=pidfile)],
                               tmp_path / "launcher.log").start()
@@ -67,7 +68,11 @@ def test_stop_all_kills_descendants_in_sessions_of_their_own(tmp_path):
         if pidfile.exists() and pidfile.read_text().strip():
             break
         time.sleep(0.05)
-    rank = int(pidfile.read_text())
+    return launcher, int(pidfile.read_text())
+
+
+def test_stop_all_kills_descendants_in_sessions_of_their_own(tmp_path):
+    launcher, rank = _launcher_with_a_rank(tmp_path)
     assert os.getsid(rank) != os.getsid(launcher.pid)  # out of reach of the group's signals
 
     stop_all([launcher], grace_s=0.5)
@@ -82,25 +87,53 @@ def test_stop_all_kills_descendants_in_sessions_of_their_own(tmp_path):
 def test_stop_all_kills_the_orphans_of_a_launcher_that_died_first(tmp_path):
     """A launcher killed before anyone stopped it (the OOM killer, a crash) leaves its ranks
     re-parented, out of its tree and its group; they still carry its tag."""
-    pidfile = tmp_path / "rank"
-    launcher = ManagedProcess("launcher", ["bash", "-c", LAUNCHER.format(pidfile=pidfile)],
+    launcher, rank = _launcher_with_a_rank(tmp_path)
+    try:
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.proc.wait()
+        assert _exists(rank) and _parent(rank) != launcher.pid  # an orphan now
+
+        stop_all([launcher], grace_s=0.5)
+
+        for _ in range(50):
+            if not _exists(rank):
+                break
+            time.sleep(0.05)
+        assert not _exists(rank)
+    finally:  # a failure here must not leave the rank (it ignores SIGTERM) running
+        if _exists(rank):
+            os.kill(rank, signal.SIGKILL)
+
+
+def test_the_orphans_of_a_dead_launcher_get_the_grace_period(tmp_path):
+    """No leader is left to wait for, yet its orphans still get the deadline to stop on SIGTERM
+    (a rank saving its state) before SIGKILL."""
+    pidfile, flag = tmp_path / "rank", tmp_path / "cleaned-up"
+    rank_script = (f"echo \\$\\$ > {pidfile}; trap 'sleep 0.3; echo done > {flag}; exit 0' TERM; "
+                   "while true; do sleep 0.1; done")
+    launcher = ManagedProcess("launcher", ["bash", "-c", f'setsid bash -c "{rank_script}" & '
+                                           "while true; do sleep 0.1; done"],
                               tmp_path / "launcher.log").start()
     for _ in range(100):
         if pidfile.exists() and pidfile.read_text().strip():
             break
         time.sleep(0.05)
     rank = int(pidfile.read_text())
-    os.kill(launcher.pid, signal.SIGKILL)
-    launcher.proc.wait()
-    assert _exists(rank) and _parent(rank) != launcher.pid  # an orphan now
+    try:
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.proc.wait()
 
-    stop_all([launcher], grace_s=0.5)
+        stop_all([launcher], grace_s=5)
 
-    for _ in range(50):
-        if not _exists(rank):
-            break
-        time.sleep(0.05)
-    assert not _exists(rank)
+        assert flag.exists(), "the orphan was killed before it could stop on SIGTERM"
+        for _ in range(50):  # re-parented: its new parent reaps it
+            if not _exists(rank):
+                break
+            time.sleep(0.05)
+        assert not _exists(rank)
+    finally:
+        if _exists(rank):
+            os.kill(rank, signal.SIGKILL)
 
 
 def test_a_tag_marks_only_its_own_processes(tmp_path):
@@ -108,11 +141,12 @@ def test_a_tag_marks_only_its_own_processes(tmp_path):
     ManagedProcess's children carry the outer tag too."""
     outer = ManagedProcess("outer", ["sleep", "30"], tmp_path / "outer.log").start()
     other = ManagedProcess("other", ["sleep", "30"], tmp_path / "other.log").start()
+    nested = ManagedProcess("nested", ["sleep", "30"], tmp_path / "nested.log",
+                            env={PROCESS_TAG_ENV: outer.tag})
     try:
         environ = Path(f"/proc/{outer.pid}/environ").read_bytes().split(b"\0")
         assert f"{PROCESS_TAG_ENV}={outer.tag}".encode() in environ
-        nested = ManagedProcess("nested", ["sleep", "30"], tmp_path / "nested.log",
-                                env={PROCESS_TAG_ENV: outer.tag}).start()
+        nested.start()
         stop_all([outer], grace_s=0.5)
         for _ in range(50):
             if nested.poll() is not None:
@@ -120,7 +154,7 @@ def test_a_tag_marks_only_its_own_processes(tmp_path):
             time.sleep(0.05)
         assert nested.poll() is not None and other.alive()
     finally:
-        stop_all([outer, other], grace_s=0.5)
+        stop_all([outer, other, nested], grace_s=0.5)
 
 
 def _parent(pid: int) -> int:
