@@ -245,6 +245,9 @@ class RewardSpec(_Section):
     workers: int = Field(1, ge=1, description="reward worker processes")
     timeout_s: float = Field(10.0, gt=0, le=300, description=(
         "per reward call; a timeout scores 0. At most 300 s: the remote pool's task limit"))
+    memory_mb: int = Field(2048, ge=256, le=262144, description=(
+        "address space of a reward process in its jail, in MB (the jail as a whole gets at least "
+        "as much); a reward that needs more fails with MemoryError, and scores 0"))
     max_failing_steps: int = Field(3, ge=1, description=(
         "fail the run when more than half of a step's rewards fail (raise, time out, die) for "
         "this many consecutive steps; a failed reward scores 0, so such a run would only look "

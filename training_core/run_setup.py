@@ -156,9 +156,7 @@ def build_run(spec: RunSpec, *, resume_dir: str | Path | None = None,
     sampling = SamplingParams(max_new_tokens=spec.rollout.max_new_tokens,
                               temperature=spec.rollout.temperature, top_p=spec.rollout.top_p,
                               top_k=spec.rollout.top_k)
-    run.rewards = RewardPool(spec.reward.fn, workers=spec.reward.workers,
-                             timeout_s=spec.reward.timeout_s, executor=spec.reward.executor,
-                             remote_backend=spec.reward.remote_backend, extract=spec.reward.extract)
+    run.rewards = RewardPool.from_spec(spec.reward)
     run.ctx = WorkflowContext(
         tokenizer=run.tokenizer, rewards=run.rewards, sampling=sampling,
         group_size=spec.rollout.group_size, prompt_template=spec.data.prompt_template,

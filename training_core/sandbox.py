@@ -22,6 +22,7 @@ error message.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -258,9 +259,7 @@ def run_sandboxed(source: str, entrypoint: str, rows: list[dict[str, Any]], *, t
     """Validation: call ``entrypoint(completion, row)`` for each row (the row's ``completion``,
     else its ``answer``) in one jail. Returns {ok, results: [{reward}|{error}], error,
     network_isolated, elapsed_s, limits}; the whole run shares one deadline."""
-    memory = memory_mb or Limits.memory_mb
-    limits = Limits(memory_mb=memory, jail_memory_mb=max(memory, Limits.jail_memory_mb),
-                    cpu_s=cpu_s or Limits.cpu_s)
+    limits = dataclasses.replace(Limits.with_memory(memory_mb), cpu_s=cpu_s or Limits.cpu_s)
     report: dict[str, Any] = {"ok": False, "results": [], "error": None, "network_isolated": True,
                               "limits": {"timeout_s": timeout_s, "memory_mb": limits.memory_mb,
                                          "cpu_s": limits.cpu_s}}

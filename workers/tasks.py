@@ -50,12 +50,14 @@ def reward_validate(version_id: int) -> dict:
 
 @shared_task(name="oolong.reward_score", acks_late=True, **REWARD_SCORE_LIMITS)
 def reward_score(fn_path: str, source: str, completion: str, item: dict[str, Any],
-                 extract: str = "auto") -> dict:
-    """The remote reward backend: trainers fan expensive rewards out to this worker pool."""
+                 extract: str = "auto", timeout_s: float = 10.0, memory_mb: int | None = None) -> dict:
+    """The remote reward backend: trainers fan expensive rewards out to this worker pool, with
+    the run's reward.timeout_s and reward.memory_mb (tasks sent before they travelled: the
+    defaults)."""
     from webapp.rewards.validation import reward_score_remote
 
     return reward_score_remote(fn_path=fn_path, source=source, completion=completion, item=item,
-                               extract=extract)
+                               extract=extract, timeout_s=timeout_s, memory_mb=memory_mb)
 
 
 @shared_task(name="oolong.dataset_validate")

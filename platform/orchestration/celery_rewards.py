@@ -15,11 +15,12 @@ from typing import Any
 from celery import Celery
 
 TASK = "oolong.reward_score"
+RESULT_MARGIN_S = 10.0  # the queue, the jail's start and the way back, on top of reward.timeout_s
 
 
 class CeleryRewardBackend:
     def __init__(self, fn_path: str, *, timeout_s: float = 30.0, extract: str = "auto",
-                 source: str | None = None):
+                 source: str | None = None, memory_mb: int | None = None):
         broker = os.environ.get("OOLONG_REWARD_BROKER_URL") or os.environ.get("CELERY_BROKER_URL")
         backend = os.environ.get("OOLONG_REWARD_RESULT_BACKEND") or os.environ.get("CELERY_RESULT_BACKEND")
         if not broker or not backend:
@@ -28,15 +29,20 @@ class CeleryRewardBackend:
         self.fn_path = fn_path
         self.timeout_s = timeout_s
         self.extract = extract
+        self.memory_mb = memory_mb
         # User reward code travels with the task (workers have no copy of the run directory); the
         # pool has read it already.
         self.source = source or ""
         self.app = Celery("oolong-trainer", broker=broker, backend=backend)
 
     async def score(self, completion: str, item: dict[str, Any]) -> tuple[float, str | None]:
+        # The worker's jail enforces the deadline and the memory; waiting a little longer here
+        # lets its answer (a timeout, a MemoryError) arrive instead of a wait of our own expiring
         result = self.app.send_task(TASK, args=[self.fn_path, self.source, completion, item],
-                                    kwargs={"extract": self.extract})
-        body = await asyncio.to_thread(result.get, timeout=self.timeout_s, propagate=True)
+                                    kwargs={"extract": self.extract, "timeout_s": self.timeout_s,
+                                            "memory_mb": self.memory_mb})
+        body = await asyncio.to_thread(result.get, timeout=self.timeout_s + RESULT_MARGIN_S,
+                                       propagate=True)
         return float(body.get("reward", 0.0)), body.get("error")
 
     def close(self) -> None:

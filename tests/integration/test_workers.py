@@ -82,3 +82,33 @@ def test_remote_reward_backend_scores_on_the_worker_pool(stack, monkeypatch, tmp
     assert right.reward == 1.0 and wrong.reward == 0.0
     assert by_tag.reward == 1.0 and by_last.reward == 0.0
     assert digits.reward == 0.5 and digits.error is None  # user code ran in the worker's sandbox
+
+
+def test_the_remote_pool_holds_the_runs_reward_deadline_and_memory(stack, monkeypatch):
+    """reward.timeout_s and reward.memory_mb travel with the task and the worker's jail holds
+    them (the worker used to run every call under validation's 10 s and 2 GB)."""
+    from training_core.config import RewardSpec
+    from training_core.rewards.pool import RewardPool
+
+    monkeypatch.setenv("OOLONG_REWARD_BROKER_URL", stack["broker"])
+    monkeypatch.setenv("OOLONG_REWARD_RESULT_BACKEND", stack["broker"])
+
+    def pool(fn: str, **spec) -> RewardPool:
+        return RewardPool.from_spec(RewardSpec(fn=f"tests.training_core.rewards_for_tests:{fn}",
+                                               executor="remote", **spec))
+
+    async def scenario():
+        pools = (pool("sleeps_3_s", timeout_s=1), pool("sleeps_3_s", timeout_s=20),
+                 pool("needs_700_mb", timeout_s=60, memory_mb=512),
+                 pool("needs_700_mb", timeout_s=60))
+        try:
+            return [await p.score("x", {"answer": "1"}) for p in pools]
+        finally:
+            for p in pools:
+                p.close()
+
+    late, patient, tight, roomy = asyncio.run(scenario())
+    assert late.reward == 0.0 and "timed out after 1s" in (late.error or ""), late
+    assert patient.reward == 1.0 and patient.error is None, patient
+    assert tight.reward == 0.0 and "MemoryError" in (tight.error or ""), tight
+    assert roomy.reward == 1.0 and roomy.error is None, roomy

@@ -20,3 +20,14 @@ def sleeps(completion: str, item: dict) -> float:
 def digit_reward(completion: str, item: dict) -> float:
     """The fraction of digits: random completions differ, so every group has advantages."""
     return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+
+def needs_700_mb(completion: str, item: dict) -> float:
+    """Allocates (and touches) 700 MB: within reward.memory_mb's default, beyond 512."""
+    block = bytearray(700 << 20)
+    return float(len(block) > 0)
+
+
+def sleeps_3_s(completion: str, item: dict) -> float:
+    time.sleep(3)
+    return 1.0

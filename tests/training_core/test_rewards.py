@@ -115,6 +115,35 @@ def test_pool_scores_and_survives_exceptions_and_timeouts():
     assert again.reward == 0.0 and failures == 2
 
 
+def test_reward_memory_mb_from_the_spec_bounds_the_jail():
+    """reward.memory_mb reaches the pool's jail: 700 MB fit the default and fail at 512 MB."""
+    from training_core.config import RewardSpec
+
+    def pool(**spec) -> RewardPool:
+        return RewardPool.from_spec(RewardSpec(fn="tests.training_core.rewards_for_tests:needs_700_mb",
+                                               timeout_s=60, **spec))
+
+    async def scenario():
+        roomy, tight = pool(), pool(memory_mb=512)
+        try:
+            return await roomy.score("x", {"answer": "1"}), await tight.score("x", {"answer": "1"})
+        finally:
+            roomy.close(), tight.close()
+
+    roomy, tight = asyncio.run(scenario())
+    assert roomy.reward == 1.0 and roomy.error is None
+    assert tight.reward == 0.0 and "MemoryError" in tight.error
+
+
+def test_reward_memory_mb_is_validated_by_name():
+    from pydantic import ValidationError
+
+    from training_core.config import RewardSpec
+
+    with pytest.raises(ValidationError, match="memory_mb"):
+        RewardSpec(memory_mb=100)
+
+
 def test_inline_executor():
     async def scenario():
         pool = RewardPool("builtin:exact", executor="inline")

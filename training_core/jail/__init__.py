@@ -59,6 +59,13 @@ class Limits:
     cpus: float = 1.0
     tmpfs_mb: int = 64  # each of /tmp, /dev/shm and /scratch
 
+    @classmethod
+    def with_memory(cls, memory_mb: int | None) -> Limits:
+        """The defaults with ``memory_mb`` of address space per process (None: the default's);
+        the jail as a whole gets at least as much, and never less than its default."""
+        memory = memory_mb or cls.memory_mb
+        return cls(memory_mb=memory, jail_memory_mb=max(memory, cls.jail_memory_mb))
+
 
 def check_available() -> str:
     """Whether user code can be jailed here, as specified: raises SandboxUnavailable naming what

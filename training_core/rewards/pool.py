@@ -78,7 +78,9 @@ class RewardPool:
             # Loaded by import path: the engine knows no queue library.
             backend = import_string(remote_backend or "", field="reward.remote_backend", kind="class")
             _, source = jailed_reward(fn_path, extract)  # names a bad path or extractor here
-            self._remote = backend(fn_path, timeout_s=timeout_s, extract=extract, source=source)
+            # The call's deadline and memory travel with the task: the worker's jail holds them
+            self._remote = backend(fn_path, timeout_s=timeout_s, extract=extract, source=source,
+                                   memory_mb=limits.memory_mb)
             return
         self._spec, self._source = jailed_reward(fn_path, extract)
         if executor == "process":
@@ -92,6 +94,13 @@ class RewardPool:
         self._workers: list[JailedWorker] = []
         self._idle: asyncio.Queue[JailedWorker] | None = None
         self._threads = ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="reward")
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> RewardPool:
+        """The pool a run's ``reward`` section asks for (config.RewardSpec)."""
+        return cls(spec.fn, workers=spec.workers, timeout_s=spec.timeout_s,
+                   executor=spec.executor, remote_backend=spec.remote_backend,
+                   extract=spec.extract, limits=Limits.with_memory(spec.memory_mb))
 
     def _start_worker(self) -> JailedWorker:
         worker = JailedWorker(self._spec, source=self._source, limits=self.limits)

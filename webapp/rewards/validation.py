@@ -7,6 +7,11 @@ from typing import Any
 from webapp.rewards.models import RewardFunctionVersion
 from webapp.rewards.services import reward_validation_record
 
+# What a task may ask of the worker's jail: the deadline under the task's own soft limit
+# (workers/tasks.py), so the jail answers first; the memory within what a run spec accepts.
+MAX_REMOTE_TIMEOUT_S = 290.0
+MAX_REMOTE_MEMORY_MB = 262144
+
 SAMPLE_ROWS = 8
 
 
@@ -42,7 +47,8 @@ def reward_version_validate(*, version_id: int) -> dict[str, Any]:
 
 
 def reward_score_remote(*, fn_path: str, source: str, completion: str, item: dict[str, Any],
-                        extract: str = "auto") -> dict:
+                        extract: str = "auto", timeout_s: float = 10.0,
+                        memory_mb: int | None = None) -> dict:
     if fn_path.startswith("builtin:"):
         from training_core.rewards.registry import resolve_reward
 
@@ -53,6 +59,8 @@ def reward_score_remote(*, fn_path: str, source: str, completion: str, item: dic
     from training_core.sandbox import run_sandboxed
 
     entrypoint = fn_path.rsplit(":", 1)[-1]
-    report = run_sandboxed(source, entrypoint, [{**item, "completion": completion}])
+    report = run_sandboxed(source, entrypoint, [{**item, "completion": completion}],
+                           timeout_s=min(float(timeout_s), MAX_REMOTE_TIMEOUT_S),
+                           memory_mb=min(int(memory_mb), MAX_REMOTE_MEMORY_MB) if memory_mb else None)
     result = (report.get("results") or [{}])[0]
     return {"reward": float(result.get("reward", 0.0)), "error": report.get("error") or result.get("error")}
