@@ -16,6 +16,7 @@ from celery import Celery
 
 TASK = "oolong.reward_score"
 RESULT_MARGIN_S = 10.0  # the queue, the jail's start and the way back, on top of reward.timeout_s
+WORKER_DEFAULT_TIMEOUT_S = 10.0  # what workers/tasks.reward_score runs a call under without one
 
 
 class CeleryRewardBackend:
@@ -37,12 +38,19 @@ class CeleryRewardBackend:
 
     async def score(self, completion: str, item: dict[str, Any]) -> tuple[float, str | None]:
         # The worker's jail enforces the deadline and the memory; waiting a little longer here
-        # lets its answer (a timeout, a MemoryError) arrive instead of a wait of our own expiring
+        # lets its answer (a timeout, a MemoryError) arrive instead of a wait of our own expiring,
+        # and a task still queued when we stop waiting is dropped, not run for no one. The two
+        # travel only where they differ from what a worker assumes without them, so a worker
+        # older than them still serves runs that keep the defaults.
+        kwargs: dict[str, Any] = {"extract": self.extract}
+        if self.timeout_s != WORKER_DEFAULT_TIMEOUT_S:
+            kwargs["timeout_s"] = self.timeout_s
+        if self.memory_mb is not None:
+            kwargs["memory_mb"] = self.memory_mb
+        wait = self.timeout_s + RESULT_MARGIN_S
         result = self.app.send_task(TASK, args=[self.fn_path, self.source, completion, item],
-                                    kwargs={"extract": self.extract, "timeout_s": self.timeout_s,
-                                            "memory_mb": self.memory_mb})
-        body = await asyncio.to_thread(result.get, timeout=self.timeout_s + RESULT_MARGIN_S,
-                                       propagate=True)
+                                    kwargs=kwargs, expires=wait)
+        body = await asyncio.to_thread(result.get, timeout=wait, propagate=True)
         return float(body.get("reward", 0.0)), body.get("error")
 
     def close(self) -> None:

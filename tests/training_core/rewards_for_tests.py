@@ -23,7 +23,8 @@ def digit_reward(completion: str, item: dict) -> float:
 
 
 def needs_700_mb(completion: str, item: dict) -> float:
-    """Allocates (and touches) 700 MB: within reward.memory_mb's default, beyond 512."""
+    """Allocates 700 MB of address space (calloc'd, not touched): within reward.memory_mb's
+    default, beyond 512; the address-space limit refuses it, whatever memory the machine has."""
     block = bytearray(700 << 20)
     return float(len(block) > 0)
 

@@ -124,15 +124,16 @@ def test_reward_memory_mb_from_the_spec_bounds_the_jail():
                                                timeout_s=60, **spec))
 
     async def scenario():
-        roomy, tight = pool(), pool(memory_mb=512)
+        pools = pool(), pool(memory_mb=512)
         try:
-            return await roomy.score("x", {"answer": "1"}), await tight.score("x", {"answer": "1"})
+            return [await p.score("x", {"answer": "1"}) for p in pools]
         finally:
-            roomy.close(), tight.close()
+            for p in pools:
+                p.close()
 
     roomy, tight = asyncio.run(scenario())
-    assert roomy.reward == 1.0 and roomy.error is None
-    assert tight.reward == 0.0 and "MemoryError" in tight.error
+    assert roomy.reward == 1.0 and roomy.error is None, roomy
+    assert tight.reward == 0.0 and "MemoryError" in (tight.error or ""), tight
 
 
 def test_reward_memory_mb_is_validated_by_name():

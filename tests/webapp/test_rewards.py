@@ -48,3 +48,32 @@ def test_api_create_list_and_isolation(api, bob_api, project):
     assert bob_api.get("/api/rewards/").json() == []
     r = api.post("/api/rewards/", {"project": project.id, "name": "bad", "source": "def f(:"}, format="json")
     assert r.status_code == 400 and r.json()["errors"][0]["field"] == "source"
+
+
+@pytest.mark.parametrize("asked,fragment", [
+    (4096, "allows at most 2048 (OOLONG_REWARD_MAX_MEMORY_MB"),  # more than the worker grants
+    (-5, "whole number of MB >= 256"),  # a negative rlimit would lift the address-space limit
+    ("abc", "whole number of MB >= 256"),
+])
+def test_a_remote_reward_task_gets_only_the_memory_the_worker_grants(monkeypatch, asked, fragment):
+    """Task arguments come off the broker: the worker refuses what it does not grant, naming
+    both numbers, before any jail starts."""
+    from webapp.rewards.validation import reward_score_remote
+
+    monkeypatch.delenv("OOLONG_REWARD_MAX_MEMORY_MB", raising=False)
+    out = reward_score_remote(fn_path="m:reward", source="def reward(c, i):\n    return 1.0\n",
+                              completion="x", item={}, memory_mb=asked)
+    assert out["reward"] == 0.0 and fragment in out["error"]
+
+
+def test_a_remote_reward_task_with_a_nonsense_deadline_runs_under_the_default(monkeypatch):
+    """A NaN or negative timeout from the broker falls back to the default instead of reaching
+    the jail's select (where it raised and left the jail behind); an operator's larger grant
+    lets a run's memory through."""
+    from webapp.rewards.validation import _remote_limits
+
+    monkeypatch.setenv("OOLONG_REWARD_MAX_MEMORY_MB", "8192")
+    assert _remote_limits(float("nan"), None) == (10.0, None, None)
+    assert _remote_limits(-3, 4096) == (10.0, 4096, None)
+    assert _remote_limits("soon", None)[0] == 10.0
+    assert _remote_limits(1e9, None)[0] == 285.0  # under the task's own 300 s soft limit

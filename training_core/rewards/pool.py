@@ -78,9 +78,18 @@ class RewardPool:
             # Loaded by import path: the engine knows no queue library.
             backend = import_string(remote_backend or "", field="reward.remote_backend", kind="class")
             _, source = jailed_reward(fn_path, extract)  # names a bad path or extractor here
-            # The call's deadline and memory travel with the task: the worker's jail holds them
-            self._remote = backend(fn_path, timeout_s=timeout_s, extract=extract, source=source,
-                                   memory_mb=limits.memory_mb)
+            # The call's deadline and memory travel with the task: the worker's jail holds them.
+            # memory_mb only where it is not the jail's default, so a backend written before it
+            # still loads for runs that keep the default (docs/rewards-and-jail.md: the interface)
+            extra = {} if limits.memory_mb == Limits.memory_mb else {"memory_mb": limits.memory_mb}
+            try:
+                self._remote = backend(fn_path, timeout_s=timeout_s, extract=extract,
+                                       source=source, **extra)
+            except TypeError as exc:
+                if not extra:
+                    raise
+                raise ValueError(f"reward.memory_mb: the remote backend {remote_backend!r} does "
+                                 f"not take memory_mb ({exc})") from exc
             return
         self._spec, self._source = jailed_reward(fn_path, extract)
         if executor == "process":

@@ -2,15 +2,42 @@
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any
 
+from training_core.jail import Limits
 from webapp.rewards.models import RewardFunctionVersion
 from webapp.rewards.services import reward_validation_record
 
-# What a task may ask of the worker's jail: the deadline under the task's own soft limit
-# (workers/tasks.py), so the jail answers first; the memory within what a run spec accepts.
-MAX_REMOTE_TIMEOUT_S = 290.0
-MAX_REMOTE_MEMORY_MB = 262144
+# What a task may ask of this worker's jail. The deadline stays under the task's own soft limit
+# (workers/tasks.py REWARD_SCORE_LIMITS: 300 s), so the jail answers first. The memory is the
+# worker's to grant: the pool serves every project, so a run asking more than the operator allows
+# (OOLONG_REWARD_MAX_MEMORY_MB, default the jail's 2048) gets a failed call naming both.
+MAX_REMOTE_TIMEOUT_S = 285.0
+DEFAULT_TIMEOUT_S = 10.0
+MAX_MEMORY_ENV = "OOLONG_REWARD_MAX_MEMORY_MB"
+
+
+def _remote_limits(timeout_s: object, memory_mb: object) -> tuple[float, int | None, str | None]:
+    """The deadline and memory a task asked for, as the worker grants them, or an error: the
+    values come off the broker (a NaN, a string, a negative number must not reach the jail)."""
+    try:
+        timeout = float(timeout_s)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        timeout = DEFAULT_TIMEOUT_S
+    if not math.isfinite(timeout) or timeout <= 0:
+        timeout = DEFAULT_TIMEOUT_S
+    timeout = min(timeout, MAX_REMOTE_TIMEOUT_S)
+    if memory_mb is None:
+        return timeout, None, None
+    allowed = int(os.environ.get(MAX_MEMORY_ENV) or Limits.memory_mb)
+    if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or memory_mb < 256:
+        return timeout, None, f"reward.memory_mb must be a whole number of MB >= 256, got {memory_mb!r}"
+    if memory_mb > allowed:
+        return timeout, None, (f"reward.memory_mb asks {memory_mb} MB; this reward worker allows at "
+                               f"most {allowed} ({MAX_MEMORY_ENV} on the worker)")
+    return timeout, memory_mb, None
 
 SAMPLE_ROWS = 8
 
@@ -47,8 +74,11 @@ def reward_version_validate(*, version_id: int) -> dict[str, Any]:
 
 
 def reward_score_remote(*, fn_path: str, source: str, completion: str, item: dict[str, Any],
-                        extract: str = "auto", timeout_s: float = 10.0,
+                        extract: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
                         memory_mb: int | None = None) -> dict:
+    timeout, memory, refused = _remote_limits(timeout_s, memory_mb)
+    if refused:
+        return {"reward": 0.0, "error": refused}
     if fn_path.startswith("builtin:"):
         from training_core.rewards.registry import resolve_reward
 
@@ -60,7 +90,6 @@ def reward_score_remote(*, fn_path: str, source: str, completion: str, item: dic
 
     entrypoint = fn_path.rsplit(":", 1)[-1]
     report = run_sandboxed(source, entrypoint, [{**item, "completion": completion}],
-                           timeout_s=min(float(timeout_s), MAX_REMOTE_TIMEOUT_S),
-                           memory_mb=min(int(memory_mb), MAX_REMOTE_MEMORY_MB) if memory_mb else None)
+                           timeout_s=timeout, memory_mb=memory)
     result = (report.get("results") or [{}])[0]
     return {"reward": float(result.get("reward", 0.0)), "error": report.get("error") or result.get("error")}
