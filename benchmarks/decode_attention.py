@@ -9,7 +9,8 @@ separate cache per layer as in the engine, so each layer's keys and values come 
 not from a cache the previous call warmed.
 
 - ``kernel``: ``torch.ops.oolong.decode_attention`` (kernels/decode_step.cpp): the rotary
-  embedding, the cache write and the attention in one pass over the transposed keys;
+  embedding, the cache write and the attention in one pass over the keys in blocks of 32
+  columns;
 - ``torch``: what the engine runs without the kernels: the rotary embedding in torch, the new
   column written with ``index_copy_``, ``scaled_dot_product_attention`` with the mask as a bias
   over the written width, grouped-query heads expanded by torch.
@@ -41,14 +42,16 @@ PRECISIONS = ("bfloat16", "float32")
 
 
 class Step:
-    """One decode step's inputs for every layer: the caches (keys transposed for the kernel, as
-    the slot cache holds them in kernel mode; keys as they are for torch), the mask and q/k/v."""
+    """One decode step's inputs for every layer: the caches (keys in blocks of 32 columns for the
+    kernel, as the slot cache holds them in kernel mode; keys as they are for torch), the mask
+    and q/k/v."""
 
     def __init__(self, dtype: torch.dtype, columns: int, layers: int, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
-        width = columns * 3 // 2
+        width = -(-columns * 3 // 2 // 32) * 32  # whole blocks of 32 columns
         self.column = columns - 1  # this step's key and value are written here
-        self.keys_t = [torch.randn(ROWS, KV_HEADS, DIM, width, generator=g).to(dtype) for _ in range(layers)]
+        self.key_blocks = [torch.randn(ROWS, KV_HEADS, width // 32, DIM, 32, generator=g).to(dtype)
+                           for _ in range(layers)]
         self.keys = [torch.randn(ROWS, KV_HEADS, width, DIM, generator=g).to(dtype) for _ in range(layers)]
         self.values = [torch.randn(ROWS, KV_HEADS, width, DIM, generator=g).to(dtype) for _ in range(layers)]
         valid = torch.zeros(ROWS, width, dtype=torch.bool)
@@ -66,7 +69,7 @@ class Step:
     def kv_bytes(self) -> int:
         """Keys and values one step reads: each row's attended columns, every layer."""
         element = self.q.element_size()
-        return 2 * self.attended * KV_HEADS * DIM * element * len(self.keys_t)
+        return 2 * self.attended * KV_HEADS * DIM * element * len(self.key_blocks)
 
 
 def kernel_ms(step: Step) -> float:
@@ -74,8 +77,8 @@ def kernel_ms(step: Step) -> float:
 
     op = cpu_kernels.decode_attention(DIM, torch.device("cpu"))
     start = time.perf_counter()
-    for keys_t, values in zip(step.keys_t, step.values, strict=True):
-        op(step.q, step.k_new, step.v_new, step.cos, step.signed_sin, keys_t, values, step.bias,
+    for key_blocks, values in zip(step.key_blocks, step.values, strict=True):
+        op(step.q, step.k_new, step.v_new, step.cos, step.signed_sin, key_blocks, values, step.bias,
            step.column, DIM ** -0.5)
     return (time.perf_counter() - start) * 1e3
 

@@ -34,17 +34,20 @@ def test_the_report_has_medians_speedup_and_read_rate_per_precision():
 def test_both_paths_write_the_same_column_and_attend_alike(dtype, monkeypatch):
     bench = benchmark("decode_attention")
     step = bench.Step(dtype, columns=40, layers=1)
-    step.keys[0].copy_(step.keys_t[0].transpose(-1, -2))  # one cache, in both layouts
+    def by_column(blocks: torch.Tensor) -> torch.Tensor:  # [R, KV, C / 32, D, 32] -> [R, KV, C, D]
+        return blocks.transpose(-1, -2).reshape(bench.ROWS, bench.KV_HEADS, -1, bench.DIM)
+
+    step.keys[0].copy_(by_column(step.key_blocks[0]))  # one cache, in both layouts
     outputs = {}
     op = cpu_kernels.decode_attention(bench.DIM, torch.device("cpu"))
-    kernel_out = op(step.q, step.k_new, step.v_new, step.cos, step.signed_sin, step.keys_t[0], step.values[0].clone(),
+    kernel_out = op(step.q, step.k_new, step.v_new, step.cos, step.signed_sin, step.key_blocks[0], step.values[0].clone(),
                     step.bias, step.column, bench.DIM ** -0.5)
     real_sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(bench.F, "scaled_dot_product_attention",
                         lambda *a, **k: outputs.setdefault("torch", real_sdpa(*a, **k)))
     bench.torch_ms(step)
     torch_out = outputs["torch"].view(bench.ROWS, bench.HEADS, bench.DIM)
-    torch.testing.assert_close(step.keys_t[0].transpose(-1, -2)[:, :, step.column].float(),
+    torch.testing.assert_close(by_column(step.key_blocks[0])[:, :, step.column].float(),
                                step.keys[0][:, :, step.column].float(), atol=2e-2, rtol=2e-2)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(kernel_out.float(), torch_out.float(), atol=tol, rtol=tol)

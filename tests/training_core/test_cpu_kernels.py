@@ -1,6 +1,7 @@
 """The engine's CPU kernels (cpu_kernels.py, kernels/decode_step.cpp) against torch: decode
 attention over the same cache for every head size and query group it serves, fp32 and bf16,
-rows with left padding and gaps, the cache seen through a window of a wider buffer, the rotary
+rows with left padding and gaps, keys in blocks of 32 columns, the cache seen as views of wider
+buffers, the rotary
 embedding applied, the step's key and value written at their column and nothing else touched;
 RMSNorm against transformers' LlamaRMSNorm; and the build cache keyed by the CPU it was built
 on."""
@@ -37,56 +38,74 @@ def _reference(q, k_new, v_new, cos, sin, keys, values, bias, column, scale):
     return out.reshape(b, heads, dim), keys, values
 
 
+def _by_column(key_blocks: torch.Tensor) -> torch.Tensor:
+    """[B, KV, C / 32, D, 32] -> a view [B, KV, C / 32, 32, D]: column c at [..., c // 32, c % 32]."""
+    return key_blocks.transpose(-1, -2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("dim,heads,kv", [(64, 9, 3), (32, 4, 4), (16, 8, 2), (128, 8, 2),
                                           (64, 12, 4), (32, 5, 1), (64, 6, 3)])
 @pytest.mark.parametrize("window", [False, True], ids=["full", "window"])
 def test_attention_and_the_cache_write_match_torch(dtype, dim, heads, kv, window):
     g = torch.Generator().manual_seed(dim * heads + kv)
-    rows, cols = 7, 83  # not a multiple of the kernel's blocks of 16 or 64 columns
-    # The engine's layout: keys stored transposed, values as they are, a wider buffer
-    store_k = torch.randn(rows, kv, dim, cols + 20, generator=g).to(dtype)
-    store_v = torch.randn(rows, kv, cols + 20, dim, generator=g).to(dtype)
+    rows, cols = 7, 83  # attended up to 83: not a multiple of the kernel's blocks
+    blocks = 3  # the buffers' width, 96 columns; the last 13 are masked
+    width = blocks * 32
+    # The engine's layout: keys in blocks of 32 columns, values as they are; with ``window``
+    # both are views of wider buffers (strided rows), as the engine's are of its growing buffers
+    store_k = torch.randn(rows, kv, blocks + 1, dim, 32, generator=g).to(dtype)
+    store_v = torch.randn(rows, kv, width + 20, dim, generator=g).to(dtype)
     lo = 11 if window else 0
-    keys_t = store_k[..., lo: lo + cols]  # [rows, kv, dim, cols], strided rows
-    values = store_v[:, :, lo: lo + cols]
+    key_blocks = store_k[:, :, :blocks] if window else store_k[:, :, 1:].contiguous()
+    values = store_v[:, :, lo: lo + width]
     column = cols - 1
-    valid = torch.zeros(rows, cols, dtype=torch.bool)
+    valid = torch.zeros(rows, width, dtype=torch.bool)
     for r in range(rows):  # left padding of every length, one row with a gap
         valid[r, r * 9: cols] = True
     valid[3, 40:45] = False
-    bias = torch.zeros(rows, cols).masked_fill_(~valid, float("-inf"))
+    bias = torch.zeros(rows, width).masked_fill_(~valid, float("-inf"))
+    by_column = _by_column(key_blocks)
     for r in range(rows):  # whatever masked columns hold stays out (nan would spread)
-        keys_t[r, :, :, ~valid[r]] = float("nan")
+        for c in (~valid[r]).nonzero().flatten().tolist():
+            by_column[r, :, c // 32, c % 32] = float("nan")
         values[r, :, ~valid[r]] = float("nan")
+
+    def logical(kb: torch.Tensor) -> torch.Tensor:  # [B, KV, C, D]
+        return _by_column(kb).reshape(rows, kv, width, dim)
+
     qkv = torch.randn(rows, heads + 2 * kv, dim, generator=g).to(dtype)
     q, k_new, v_new = qkv[:, :heads], qkv[:, heads: heads + kv], qkv[:, heads + kv:]
     angles = torch.rand(rows, dim // 2, generator=g) * 6
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     signed_sin = torch.cat([-sin[:, : dim // 2], sin[:, dim // 2:]], -1)  # what the kernel takes
-    want, want_k, want_v = _reference(q, k_new, v_new, cos, sin, keys_t.transpose(-1, -2), values,
+    want, want_k, want_v = _reference(q, k_new, v_new, cos, sin, logical(key_blocks), values,
                                       bias, column, dim ** -0.5)
-    before_k, before_v = store_k.clone(), store_v.clone()
+    before_k, before_v, before_kb = store_k.clone(), store_v.clone(), key_blocks.clone()
 
     op = cpu_kernels.decode_attention(dim, torch.device("cpu"))
-    got = op(q, k_new, v_new, cos, signed_sin, keys_t, values, bias, column, dim ** -0.5)
+    got = op(q, k_new, v_new, cos, signed_sin, key_blocks, values, bias, column, dim ** -0.5)
 
     assert got.dtype == dtype and got.shape == (rows, heads, dim)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
     # the step's key and value landed at their column, in the buffer, and nothing else moved
     if dtype == torch.float32:
-        torch.testing.assert_close(keys_t.transpose(-1, -2), want_k, atol=1e-6, rtol=1e-6,
+        torch.testing.assert_close(logical(key_blocks), want_k, atol=1e-6, rtol=1e-6,
                                    equal_nan=True)
     else:  # the rotated key rounded once to bf16 (fp64 reference, fp32 kernel: at most 1 ulp)
-        torch.testing.assert_close(keys_t.transpose(-1, -2).float(), want_k.float(), atol=0,
+        torch.testing.assert_close(logical(key_blocks).float(), want_k.float(), atol=0,
                                    rtol=2 ** -7, equal_nan=True)
     torch.testing.assert_close(values, want_v.to(dtype), atol=0, rtol=0, equal_nan=True)
-    other = torch.ones(cols + 20, dtype=torch.bool)
-    other[lo + column] = False
-    torch.testing.assert_close(store_k[..., other], before_k[..., other], atol=0, rtol=0,
-                               equal_nan=True)
-    torch.testing.assert_close(store_v[:, :, other], before_v[:, :, other], atol=0, rtol=0,
+    other = torch.ones(width, dtype=torch.bool)
+    other[column] = False
+    torch.testing.assert_close(logical(key_blocks)[:, :, other], logical(before_kb)[:, :, other],
+                               atol=0, rtol=0, equal_nan=True)
+    if window:  # the block past the view untouched
+        torch.testing.assert_close(store_k[:, :, blocks:], before_k[:, :, blocks:], atol=0, rtol=0)
+    other_v = torch.ones(width + 20, dtype=torch.bool)
+    other_v[lo + column] = False
+    torch.testing.assert_close(store_v[:, :, other_v], before_v[:, :, other_v], atol=0, rtol=0,
                                equal_nan=True)
 
 
@@ -94,16 +113,19 @@ def test_bad_shapes_are_refused_with_the_reason():
     op = cpu_kernels.decode_attention(64, torch.device("cpu"))
     q = torch.randn(2, 9, 64)
     kv = torch.randn(2, 3, 64)
-    keys_t, values = torch.randn(2, 3, 64, 10), torch.randn(2, 3, 10, 64)
+    key_blocks, values = torch.randn(2, 3, 1, 64, 32), torch.randn(2, 3, 32, 64)
     cs = torch.ones(2, 64)
     with pytest.raises(RuntimeError, match="shapes do not match"):
-        op(q, kv, kv, cs, cs, keys_t, values, torch.zeros(2, 11), 9, 0.125)
+        op(q, kv, kv, cs, cs, key_blocks, values, torch.zeros(2, 33), 9, 0.125)
     with pytest.raises(RuntimeError, match="column outside the cache"):
-        op(q, kv, kv, cs, cs, keys_t, values, torch.zeros(2, 10), 10, 0.125)
+        op(q, kv, kv, cs, cs, key_blocks, values, torch.zeros(2, 32), 32, 0.125)
     with pytest.raises(RuntimeError, match="one dtype"):
-        op(q.bfloat16(), kv, kv, cs, cs, keys_t, values, torch.zeros(2, 10), 9, 0.125)
+        op(q.bfloat16(), kv, kv, cs, cs, key_blocks, values, torch.zeros(2, 32), 9, 0.125)
     with pytest.raises(RuntimeError, match="cos and sin"):
-        op(q, kv, kv, cs[:, :32], cs[:, :32], keys_t, values, torch.zeros(2, 10), 9, 0.125)
+        op(q, kv, kv, cs[:, :32], cs[:, :32], key_blocks, values, torch.zeros(2, 32), 9, 0.125)
+    with pytest.raises(RuntimeError, match="blocks of 32 columns"):  # a block's rows apart
+        op(q, kv, kv, cs, cs, torch.randn(2, 3, 1, 64, 40)[..., :32], values, torch.zeros(2, 32),
+           9, 0.125)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -186,7 +186,7 @@ def test_kernel_projections_decode_as_well_as_onednns_and_follow_a_weight_update
             layers_kv, mask, last = forest_prefill(model, prompts, torch.device("cpu"))
             slots = SlotCache(len(layers_kv), layers_kv[0][0].shape[1], layers_kv[0][0].shape[3],
                               layers_kv[0][0].dtype, torch.device("cpu"),
-                              keys_transposed=dec.uses_kernels)
+                              keys_blocked=dec.uses_kernels)
             slots.join(layers_kv, mask, torch.arange(len(prompts)))
             return dec(last.argmax(-1), mask.sum(-1), slots.decode_mask(), slots).float()
 
@@ -271,7 +271,7 @@ def test_a_measured_projection_kernel_decodes_only_at_the_batches_it_won(tiny_mo
             layers_kv, mask, last = forest_prefill(lm, prompts, torch.device("cpu"))
             slots = SlotCache(len(layers_kv), layers_kv[0][0].shape[1], layers_kv[0][0].shape[3],
                               layers_kv[0][0].dtype, torch.device("cpu"),
-                              keys_transposed=dec.uses_kernels)
+                              keys_blocked=dec.uses_kernels)
             slots.join(layers_kv, mask, torch.arange(rows))
             tokens = last.argmax(-1)
             logits = dec(tokens, mask.sum(-1), slots.decode_mask(), slots)

@@ -11,7 +11,7 @@ arrive cold from memory at every layer. SmolLM2 in bf16 at 64 rows and ~100 colu
 keys or values serves every query head of the group, accumulators stay in registers, masked
 columns left and right of a row are not read, scores stay in fp32 (torch's bf16 path rounds
 them to bf16 before the softmax), and the step's key is written into the cache (stored
-transposed, slot_cache.py) while its lines are being read anyway. RMSNorm was five to eight
+in blocks of 32 columns, slot_cache.py) while its lines are being read anyway. RMSNorm was five to eight
 operators of a few microseconds each, 61 times a step. Sampling was five passes of torch over
 [64, 49,152] logits (the tempered softmax in fp32, block sums, cumulative sums, a gather): 3.3-3.9
 ms of a SmolLM2 bf16 step; one pass per row that stays in cache takes 0.7-1.0.
@@ -146,11 +146,12 @@ def _build(target: Path, built: Path) -> None:
 
 
 def decode_attention(head_dim: int, device: torch.device) -> Callable[..., torch.Tensor] | None:
-    """``op(q [B, H, D], k_new, v_new [B, KV, D], cos, sin [B, D] float32, keys_t [B, KV, D, C],
-    values [B, KV, C, D], bias [B, C] float32 (0 or -inf), column, scale) -> [B, H, D]``: the
-    rotary embedding of q and k_new (sin's first half negated), k_new and v_new written at
-    ``column`` of the cache views, then attention; fp32 and bf16 on CPU. None where it does not
-    serve (another device, head size, or no build)."""
+    """``op(q [B, H, D], k_new, v_new [B, KV, D], cos, sin [B, D] float32, key_blocks [B, KV,
+    C / 32, D, 32], values [B, KV, C, D], bias [B, C] float32 (0 or -inf), column, scale) ->
+    [B, H, D]``: the rotary embedding of q and k_new (sin's first half negated), k_new and v_new
+    written at ``column`` of the cache views, then attention; fp32 and bf16 on CPU. Keys come in
+    blocks of 32 columns (slot_cache.KEY_BLOCK). None where it does not serve (another device,
+    head size, or no build)."""
     if device.type != "cpu" or head_dim not in HEAD_SIZES or not load():
         return None
     return torch.ops.oolong.decode_attention

@@ -115,8 +115,8 @@ class FusedDecoder:
 
     @property
     def uses_kernels(self) -> bool:
-        """The attention kernel decodes: the slot cache must store keys transposed
-        (SlotCache's ``keys_transposed``)."""
+        """The attention kernel decodes: the slot cache must store keys in its blocks
+        (SlotCache's ``keys_blocked``)."""
         return self._attend is not None
 
     def refresh(self) -> None:
@@ -159,9 +159,9 @@ class FusedDecoder:
             x = self._norm(h, layer.input_layernorm)
             qkv = self._qkv_proj(i, x, proj).view(b, heads + 2 * kv, dim)
             if self._attend is not None:  # the rotary embedding and the cache write included
-                keys_t, values, column = slots.decode_buffers(i)
+                key_blocks, values, column = slots.decode_buffers(i)
                 out = self._attend(qkv[:, :heads], qkv[:, heads: heads + kv],
-                                   qkv[:, heads + kv:], cos32, sin32, keys_t, values, bias, column,
+                                   qkv[:, heads + kv:], cos32, sin32, key_blocks, values, bias, column,
                                    attn.scaling)
             else:
                 qk = qkv[:, : heads + kv]

@@ -477,7 +477,7 @@ class GenerationEngine:
         if self._slots is None:
             keys = layers_kv[0][0]
             self._slots = SlotCache(len(layers_kv), keys.shape[1], keys.shape[3], keys.dtype,
-                                    self.device, keys_transposed=self._fused is not None
+                                    self.device, keys_blocked=self._fused is not None
                                     and self._fused.uses_kernels)
         rows = torch.tensor(owner, device=self.device)
         self._slots.join(layers_kv, mask, rows)

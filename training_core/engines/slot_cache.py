@@ -8,7 +8,8 @@ of the engine on the demo task, cat + index_select took 0.32 s against 0.25 s of
 ``linear``. Here a decode step writes one column in place; a joining row is written once into
 its slot; a finished row's slot is refilled by moving the last row into it.
 
-Layout: ``keys[layer, row, head, column, dim]`` (stored transposed for cpu_kernels). Rows
+Layout: ``keys[layer, row, head, column, dim]`` (stored in blocks of KEY_BLOCK columns for
+cpu_kernels, see :class:`BlockedKeys`). Rows
 ``[0, size)`` are the running batch. All rows share the column window ``[lo, hi)``, left-padded
 (``valid`` marks real tokens); a decode step writes column ``hi``. Columns left of ``lo`` are
 headroom for a joining sequence longer than the window.
@@ -42,6 +43,7 @@ LEFT_HEADROOM = 32  # columns kept free left of a new window, for longer joiners
 # layers its node count, so rows of a few hundred nodes keep attention a small share.
 PREFILL_ROW_NODES = 256
 FULL_WIDTH_STEP = 32  # columns a full-width buffer grows by, at least (see SlotCache._room)
+KEY_BLOCK = 32  # columns per block of keys in cpu_kernels' layout (kernels/decode_step.cpp BLOCK)
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -73,23 +75,28 @@ class SlotCache:
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, *, full_width: bool | None = None,
-                 keys_transposed: bool = False):
+                 keys_blocked: bool = False):
         self.shape = (layers, kv_heads, head_dim)
-        # Keys stored [layer, row, head, dim, column] and seen through a transposed view, for
-        # cpu_kernels' attention: one row's columns of a dimension are contiguous, which is what
-        # its q . K^T reads. Torch's path writes the step's key as a column of that layout
-        # (a scattered copy), so it keeps keys as they are.
-        self.keys_transposed = keys_transposed
+        # Keys in blocks of KEY_BLOCK columns for cpu_kernels' attention (BlockedKeys): a block's
+        # columns of one dimension are contiguous, which is what its q . K^T reads, and a row's
+        # attended blocks are one run of memory. Torch's path writes the step's key as a column
+        # of that layout (a scattered copy), so it keeps keys as they are. The kernel reads a
+        # row's attended columns only, so its buffers are always full width.
+        self.keys_blocked = keys_blocked
+        if keys_blocked and full_width is False:
+            raise ValueError("keys_blocked (cpu_kernels' attention) decodes over full-width buffers")
         # Decode attends over the buffers' whole width, masked, instead of the window: CPU's
         # reduced-precision batched matmul copies an operand whose matrices are not packed one
         # after another (a window of a wider buffer is not), and that copy cost more than the
         # masked columns do (SmolLM2 in bf16, 64 rows, window 200 of 320 columns: q.K^T 613 us
         # with the copy, 190 us packed). fp32's takes the window as it is. Buffers are then
         # zero-filled (every column is read) and grow by what is needed, not doubled.
-        self.full_width = (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-                           if full_width is None else full_width)
+        self.full_width = keys_blocked or (device.type == "cpu"
+                                           and dtype in (torch.bfloat16, torch.float16)
+                                           if full_width is None else full_width)
         self.dtype, self.device = dtype, device
-        self.keys = self.values = torch.zeros(0)
+        self.keys: torch.Tensor | BlockedKeys = torch.zeros(0)
+        self.values = torch.zeros(0)
         self.valid = torch.zeros(0, 0, dtype=torch.bool, device=device)
         self.size = 0
         self.lo = self.hi = 0
@@ -102,6 +109,7 @@ class SlotCache:
         """Write the step's keys/values at column ``hi`` (``advance`` moves it afterwards) and
         return the window up to them. What else the model passes is ignored: its name changed
         between transformers releases (``cache_kwargs`` up to 5.23, ``kwargs`` in 5.24)."""
+        assert not self.keys_blocked, "blocked keys are written by cpu_kernels' attention"
         n, q = key_states.shape[0], key_states.shape[2]
         self.keys[layer_idx, :n, :, self.hi: self.hi + q] = key_states
         self.values[layer_idx, :n, :, self.hi: self.hi + q] = value_states
@@ -112,14 +120,11 @@ class SlotCache:
 
     def decode_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """For a kernel that writes the step's key and value itself (cpu_kernels): the layer's
-        keys, transposed, [size, Hkv, D, L] and values [size, Hkv, L, D] over the decode mask's
-        columns, and the column in them that the step writes."""
-        assert self.keys_transposed, "a kernel's buffers: SlotCache(..., keys_transposed=True)"
+        key blocks [size, Hkv, L / KEY_BLOCK, D, KEY_BLOCK] and values [size, Hkv, L, D] over the
+        decode mask's columns (the buffers' whole width), and the column the step writes."""
+        assert isinstance(self.keys, BlockedKeys), "a kernel's buffers: SlotCache(..., keys_blocked=True)"
         n = self.size
-        if self.full_width:
-            return self.keys[layer_idx, :n].transpose(-1, -2), self.values[layer_idx, :n], self.hi
-        return (self.keys[layer_idx, :n, :, self.lo: self.hi + 1].transpose(-1, -2),
-                self.values[layer_idx, :n, :, self.lo: self.hi + 1], self.hi - self.lo)
+        return self.keys.blocks[layer_idx, :n], self.values[layer_idx, :n], self.hi
 
     # ---- the engine's side ---------------------------------------------------------------------
 
@@ -181,7 +186,11 @@ class SlotCache:
         # One slice copy per moved row: half the time of one advanced-indexing copy for them all
         # (a few rows move at a time).
         for h, m in zip(holes, movers, strict=True):
-            self.keys[:, h, :, window] = self.keys[:, m, :, window]
+            if isinstance(self.keys, BlockedKeys):  # whole blocks: columns outside are unused
+                b0, b1 = self.lo // KEY_BLOCK, -(-self.hi // KEY_BLOCK)
+                self.keys.blocks[:, h, :, b0:b1] = self.keys.blocks[:, m, :, b0:b1]
+            else:
+                self.keys[:, h, :, window] = self.keys[:, m, :, window]
             self.values[:, h, :, window] = self.values[:, m, :, window]
             self.valid[h] = self.valid[m]
             order[h] = m
@@ -206,12 +215,15 @@ class SlotCache:
         layers, heads, dim = self.shape
         # torch's full-width attention reads every column (0 * nan is nan); cpu_kernels' reads
         # attended columns only and leaves masked ones out whatever they hold
-        make = torch.zeros if self.full_width and not self.keys_transposed else _uninitialized
+        make = torch.zeros if self.full_width and not self.keys_blocked else _uninitialized
         shape = (layers, rows, heads, cols, dim)
         self.values = make(shape, dtype=self.dtype, device=self.device)
-        self.keys = (make((layers, rows, heads, dim, cols), dtype=self.dtype,
-                          device=self.device).transpose(-1, -2) if self.keys_transposed
-                     else make(shape, dtype=self.dtype, device=self.device))
+        if self.keys_blocked:  # full width grows by FULL_WIDTH_STEP, a multiple of KEY_BLOCK
+            assert cols % KEY_BLOCK == 0, cols
+            self.keys = BlockedKeys(make((layers, rows, heads, cols // KEY_BLOCK, dim, KEY_BLOCK),
+                                         dtype=self.dtype, device=self.device))
+        else:
+            self.keys = make(shape, dtype=self.dtype, device=self.device)
         self.valid = torch.zeros(rows, cols, dtype=torch.bool, device=self.device)
 
     def _room(self, *, left: int, right: int, rows: int = 0) -> None:
@@ -224,7 +236,7 @@ class SlotCache:
             # Columns the window left behind (its rows finished) are dropped at a reallocation.
             new_lo = max(0, left - span)
             need_cols = new_lo + span + right
-            if self.keys_transposed:
+            if self.keys_blocked:
                 # cpu_kernels' attention reads each row's attended columns only (and fetches
                 # ahead no further), so room past the window costs nothing: the buffers grow by
                 # half what is needed and are kept for the next batch. Every reallocation pages in
@@ -233,6 +245,9 @@ class SlotCache:
                 # request.
                 if fits and cap_cols <= 8 * need_cols + 2 * FULL_WIDTH_STEP:
                     return  # a batch far narrower than the buffers gives the memory back
+                # the window keeps its offset within a block, so its key blocks move whole
+                new_lo += (self.lo - new_lo) % KEY_BLOCK
+                need_cols = new_lo + span + right
                 step = FULL_WIDTH_STEP
                 need_cols += max(FULL_WIDTH_STEP, need_cols // 2)
             else:
@@ -262,11 +277,48 @@ class SlotCache:
             self.valid.zero_()
             self.lo, self.hi = 0, span
         n = self.size
-        self.keys[:, :n, :, new_lo: new_lo + span] = keys[:, :n, :, self.lo: self.hi]
+        if isinstance(keys, BlockedKeys) and isinstance(self.keys, BlockedKeys):
+            self.keys.move(keys, n, self.lo, self.hi, new_lo)
+        else:
+            self.keys[:, :n, :, new_lo: new_lo + span] = keys[:, :n, :, self.lo: self.hi]
         self.values[:, :n, :, new_lo: new_lo + span] = values[:, :n, :, self.lo: self.hi]
         self.valid[:n] = False
         self.valid[:n, new_lo: new_lo + span] = valid[:n, self.lo: self.hi]
         self.lo, self.hi = new_lo, new_lo + span
+
+
+class BlockedKeys:
+    """Keys stored [layer, row, head, column block, dim, KEY_BLOCK] for cpu_kernels' attention,
+    indexed as the other layout is, ``keys[layer, rows, heads, columns]`` -> [..., columns, dim]
+    (a copy when read: an advanced index), so the slot cache's moves work on both. The columns
+    must be a slice with step 1."""
+
+    def __init__(self, blocks: torch.Tensor):
+        self.blocks = blocks
+        self._by_column = blocks.permute(0, 1, 2, 3, 5, 4)  # [..., block, column in it, dim]
+
+    def _index(self, index: tuple) -> tuple:
+        *lead, cols = index
+        start, stop, step = cols.indices(self.blocks.shape[3] * KEY_BLOCK)
+        assert step == 1 and len(lead) == 3, index
+        c = torch.arange(start, stop, device=self.blocks.device)
+        return (*lead, c // KEY_BLOCK, c % KEY_BLOCK)
+
+    def __getitem__(self, index: tuple) -> torch.Tensor:
+        return self._by_column[self._index(index)]
+
+    def __setitem__(self, index: tuple, value: torch.Tensor | float) -> None:
+        self._by_column[self._index(index)] = value
+
+    def move(self, old: BlockedKeys, rows: int, lo: int, hi: int, new_lo: int) -> None:
+        """Columns [lo, hi) of ``old``'s first ``rows`` rows to [new_lo, ...) here: whole blocks
+        where the offset within a block is kept (a slice copy), else column by column."""
+        if (new_lo - lo) % KEY_BLOCK:
+            self[:, :rows, :, new_lo: new_lo + hi - lo] = old[:, :rows, :, lo: hi]
+            return
+        b0, b1, to = lo // KEY_BLOCK, -(-hi // KEY_BLOCK), new_lo // KEY_BLOCK
+        assert to + b1 - b0 <= self.blocks.shape[3], (lo, hi, new_lo, self.blocks.shape)
+        self.blocks[:, :rows, :, to: to + b1 - b0] = old.blocks[:, :rows, :, b0:b1]
 
 
 def _uninitialized(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
