@@ -49,7 +49,7 @@ def _by_column(key_blocks: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("window", [False, True], ids=["full", "window"])
 def test_attention_and_the_cache_write_match_torch(dtype, dim, heads, kv, window):
     g = torch.Generator().manual_seed(dim * heads + kv)
-    rows, cols = 7, 83  # attended up to 83: not a multiple of the kernel's blocks
+    rows, cols = 9, 83  # attended up to 83: not a multiple of the kernel's blocks
     blocks = 3  # the buffers' width, 96 columns; the last 13 are masked
     width = blocks * 32
     # The engine's layout: keys in blocks of 32 columns, values as they are; with ``window``
@@ -61,9 +61,11 @@ def test_attention_and_the_cache_write_match_torch(dtype, dim, heads, kv, window
     values = store_v[:, :, lo: lo + width]
     column = cols - 1
     valid = torch.zeros(rows, width, dtype=torch.bool)
-    for r in range(rows):  # left padding of every length, one row with a gap
+    for r in range(7):  # left padding of every length, one row with a gap
         valid[r, r * 9: cols] = True
     valid[3, 40:45] = False
+    valid[7, 70:width] = True  # starts in the last block and attends up to the buffer's end
+    valid[8, 64:75] = True  # one block, in fp32 a single step of 16 columns
     bias = torch.zeros(rows, width).masked_fill_(~valid, float("-inf"))
     by_column = _by_column(key_blocks)
     for r in range(rows):  # whatever masked columns hold stays out (nan would spread)

@@ -8,8 +8,9 @@ is a [group, D] x [D, L] product, tiny for oneDNN's batched matmul, and the keys
 arrive cold from memory at every layer. SmolLM2 in bf16 at 64 rows and ~100 columns spent
 17 ms of a 59 ms step in the two batched matmuls, softmax and mask around them (an AMX Xeon,
 2 threads). ``decode_attention.cpp`` does one (row, key head) per task: each loaded vector of
-keys or values serves every query head of the group, accumulators stay in registers, masked
-columns left and right of a row are not read, scores stay in fp32 (torch's bf16 path rounds
+keys or values serves every query head of the group, accumulators stay in registers, only the
+blocks of keys holding a row's attended columns are read (masked ones score their bias) and only
+its attended values, scores stay in fp32 (torch's bf16 path rounds
 them to bf16 before the softmax), and the step's key is written into the cache (stored
 in blocks of 32 columns, slot_cache.py) while its lines are being read anyway. RMSNorm was five to eight
 operators of a few microseconds each, 61 times a step. Sampling was five passes of torch over

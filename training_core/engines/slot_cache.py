@@ -207,14 +207,16 @@ class SlotCache:
     # ---- buffers -------------------------------------------------------------------------------
 
     def _allocate(self, rows: int, cols: int) -> None:
-        # Uninitialised: only the window is ever read, and every column is written before it
+        # Uninitialised: only the window is ever used (the kernel also reads the masked columns
+        # of the key blocks holding it, scored by their bias), and every column is written before it
         # enters the window (join, decode) or moves with it (_room, keep). Zero-filled buffers
         # cost a page fault and a write per 4 KiB of capacity, most of it never used: a growth
         # to 256 rows x 256 columns (2 x 134 MB, the long-tail benchmark's size) stalled the
         # engine 107 ms, 18 ms uninitialised.
         layers, heads, dim = self.shape
         # torch's full-width attention reads every column (0 * nan is nan); cpu_kernels' reads
-        # attended columns only and leaves masked ones out whatever they hold
+        # the key blocks holding attended columns and the attended values only, and leaves
+        # masked ones out whatever they hold
         make = torch.zeros if self.full_width and not self.keys_blocked else _uninitialized
         shape = (layers, rows, heads, cols, dim)
         self.values = make(shape, dtype=self.dtype, device=self.device)
@@ -237,8 +239,9 @@ class SlotCache:
             new_lo = max(0, left - span)
             need_cols = new_lo + span + right
             if self.keys_blocked:
-                # cpu_kernels' attention reads each row's attended columns only (and fetches
-                # ahead no further), so room past the window costs nothing: the buffers grow by
+                # cpu_kernels' attention reads the key blocks holding a row's attended columns
+                # and its attended values only (and fetches ahead no further), so room past the
+                # window costs nothing: the buffers grow by
                 # half what is needed and are kept for the next batch. Every reallocation pages in
                 # and copies the cache (SmolLM2 bf16 at 64 rows, ~160 columns: 176 ms each in the
                 # engine); growing by FULL_WIDTH_STEP, below, did that five times in a 128-token

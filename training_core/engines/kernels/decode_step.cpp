@@ -132,11 +132,12 @@ inline void rotate(const T* x, const float* cb, const float* sb, float mult, flo
   }
 }
 
-// The next task's cache lines, fetched towards L2 from the current task's inner loops: two
-// lines of its keys (one contiguous run of blocks) per iteration over the head dim, which spreads
-// them over the whole pass over its keys (four at a time finished in its first half: 4-5%
-// slower), and two lines of values per column.
+// The next task's cache lines, fetched towards L2 from the current task's inner loops: its keys
+// (one contiguous run of blocks) spread over the whole pass over the current task's keys, two
+// lines per iteration over the head dim in bf16 and four in fp32 (four in bf16 finished in the
+// first half of the pass: 4-5% slower), and two lines of values per column.
 struct Ahead {
+  const int key_lines;  // per iteration: 2 for bf16, 4 for fp32 (a pair of blocks is 2 or 4 x D lines)
   const char* keys = nullptr;
   const char* keys_end = nullptr;
   const char* values = nullptr;
@@ -147,7 +148,7 @@ struct Ahead {
     values = v, values_end = v + v_bytes;
   }
   void key() {
-    for (int i = 0; i < 2 && keys < keys_end; ++i, keys += 64) __builtin_prefetch(keys, 0, 2);
+    for (int i = 0; i < key_lines && keys < keys_end; ++i, keys += 64) __builtin_prefetch(keys, 0, 2);
   }
   void value() {
     if (values < values_end) {
@@ -210,7 +211,7 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
       }
       lo = row_first, hi = row_last;
     };
-    Ahead ahead;
+    Ahead ahead{static_cast<int>(sizeof(T))};
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KV, h = task % KV;
       T* kb = kt + b * ks[0] + h * ks[1];
