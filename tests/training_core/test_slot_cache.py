@@ -178,3 +178,18 @@ def test_the_kernels_buffers_grow_by_half_and_serve_the_next_batch(monkeypatch):
     slots.join(kv, torch.ones(1, 5, dtype=torch.bool), torch.tensor([0]))
     slots.decode_mask()
     assert len(widths) == 1 and widths[0] < width / 4
+
+
+def test_blocked_keys_take_a_first_join_wider_than_the_buffers():
+    """The first join places the window past the first buffers (128 columns); the growth moves
+    an empty window and the keys land, column by column, where the kernel reads them."""
+    slots = SlotCache(2, 2, 16, torch.float32, torch.device("cpu"), keys_blocked=True)
+    g = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(3, 2, 200, 16, generator=g), torch.randn(3, 2, 200, 16, generator=g))
+          for _ in range(2)]
+    slots.join(kv, torch.ones(3, 200, dtype=torch.bool), torch.tensor([0, 1, 2]))
+    blocks, values, column = slots.decode_buffers(1)
+    assert blocks.shape[2] * 32 == values.shape[2] >= 201 and column == slots.hi
+    by_column = blocks.transpose(-1, -2).reshape(3, 2, -1, 16)  # [rows, heads, columns, dim]
+    torch.testing.assert_close(by_column[:, :, slots.lo: slots.hi], kv[1][0], atol=0, rtol=0)
+    torch.testing.assert_close(values[:, :, slots.lo: slots.hi], kv[1][1], atol=0, rtol=0)

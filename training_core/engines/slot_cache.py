@@ -316,6 +316,8 @@ class BlockedKeys:
     def move(self, old: BlockedKeys, rows: int, lo: int, hi: int, new_lo: int) -> None:
         """Columns [lo, hi) of ``old``'s first ``rows`` rows to [new_lo, ...) here: whole blocks
         where the offset within a block is kept (a slice copy), else column by column."""
+        if rows == 0 or hi <= lo:  # nothing to move (a first join sets lo = hi past the buffer)
+            return
         if (new_lo - lo) % KEY_BLOCK:
             self[:, :rows, :, new_lo: new_lo + hi - lo] = old[:, :rows, :, lo: hi]
             return
