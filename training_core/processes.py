@@ -149,9 +149,11 @@ def stop_all(processes: Iterable[ManagedProcess | subprocess.Popen | None],
             p.wait()
     for p in procs:  # children that outlived their leader (a launcher's ranks)
         _signal_group(p, signal.SIGKILL)
-    # The rest of the grace period for what is left of the tree: the orphans of a dead leader
-    # (no leader to wait for above) get the same deadline to stop on SIGTERM
-    while time.monotonic() < deadline and any(_alive(pid, started) for pid, started in tree.items()):
+    # Orphans of leaders that died before this call (no leader to wait for above) get the grace
+    # period to stop on SIGTERM. Where a leader was waited for, what outlived it is killed at
+    # once, as before: a cancel across nodes must end within the flows' budgets
+    while (not procs and time.monotonic() < deadline
+           and any(_alive(pid, started) for pid, started in tree.items())):
         time.sleep(0.05)
     tree.update(_tagged(tags))  # started while it stopped, by whichever parent
     for pid, started in tree.items():
