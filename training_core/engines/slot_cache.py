@@ -314,13 +314,11 @@ class BlockedKeys:
         self._by_column[self._index(index)] = value
 
     def move(self, old: BlockedKeys, rows: int, lo: int, hi: int, new_lo: int) -> None:
-        """Columns [lo, hi) of ``old``'s first ``rows`` rows to [new_lo, ...) here: whole blocks
-        where the offset within a block is kept (a slice copy), else column by column."""
+        """Columns [lo, hi) of ``old``'s first ``rows`` rows to [new_lo, ...) here, as whole
+        blocks: SlotCache._room keeps the window's offset within a block."""
         if rows == 0 or hi <= lo:  # nothing to move (a first join sets lo = hi past the buffer)
             return
-        if (new_lo - lo) % KEY_BLOCK:
-            self[:, :rows, :, new_lo: new_lo + hi - lo] = old[:, :rows, :, lo: hi]
-            return
+        assert (new_lo - lo) % KEY_BLOCK == 0, (lo, new_lo)
         b0, b1, to = lo // KEY_BLOCK, -(-hi // KEY_BLOCK), new_lo // KEY_BLOCK
         assert to + b1 - b0 <= self.blocks.shape[3], (lo, hi, new_lo, self.blocks.shape)
         self.blocks[:, :rows, :, to: to + b1 - b0] = old.blocks[:, :rows, :, b0:b1]
