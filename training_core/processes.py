@@ -38,8 +38,8 @@ ENV_ALLOW = frozenset({
     "OOLONG_PROCESS_TAG",  # marks the processes a ManagedProcess started (stop_all finds them)
     "OOLONG_PORT_RANGE",  # the ports a node's processes may listen on (launch.free_port)
     "OOLONG_FUSED_DECODE",  # "0": the embedded servers decode through transformers' forward
-    # "0": without the engine's C++ kernels / its AMX / its AVX-512 projections
-    "OOLONG_CPU_KERNELS", "OOLONG_AMX", "OOLONG_AVX512_LINEAR",
+    # "0": without the engine's C++ kernels / its AMX / its AVX-512 / its AVX2 projections
+    "OOLONG_CPU_KERNELS", "OOLONG_AMX", "OOLONG_AVX512_LINEAR", "OOLONG_AVX2_LINEAR",
     "DS_ACCELERATOR", "TORCH_CUDA_ARCH_LIST", "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH",
     "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
     "http_proxy", "https_proxy", "no_proxy",

@@ -1,7 +1,8 @@
 """The engine's projection kernels and its sampling kernel (cpu_kernels.py, kernels/amx_linear.cpp,
-kernels/avx512_linear.cpp, kernels/decode_step.cpp) against what they replace: AMX's against
-oneDNN's packed linear layers with their fused post-ops, bitwise, for every batch size (ragged
-ones padded inside); AVX-512's, bf16 and fp32, against the exact product rounded once; their
+kernels/avx512_linear.cpp, kernels/avx2_linear.cpp, kernels/decode_step.cpp) against what they
+replace: AMX's against oneDNN's packed linear layers with their fused post-ops, bitwise, for every
+batch size (ragged ones padded inside); AVX-512's and AVX2's, bf16 and fp32, against the exact
+product rounded once; their
 refusals; which one serves; and generation_engine's torch draw, token for token from the same
 uniforms (that every token keeps its probability over a large vocabulary is
 test_generation_engine's interval test, run on both)."""
@@ -118,6 +119,8 @@ def test_the_sampling_kernel_refuses_bad_inputs_with_the_reason():
 
 AVX512 = cpu_kernels.avx512_linear(torch.device("cpu"), torch.bfloat16)
 needs_avx512 = pytest.mark.skipif(AVX512 is None, reason="this CPU (or its compiler) has no AVX-512 with BF16")
+AVX2 = cpu_kernels.avx2_linear(torch.device("cpu"), torch.bfloat16)
+needs_avx2 = pytest.mark.skipif(AVX2 is None, reason="this CPU (or its compiler) has no AVX2 with FMA")
 
 
 @needs_avx512
@@ -150,12 +153,12 @@ def test_avx512_projections_round_the_exact_product_once_with_their_epilogues(ro
     torch.testing.assert_close(fused.float(), want.float(), atol=0.02, rtol=2 ** -6)
 
 
-@pytest.mark.parametrize("name", ["amx", "avx512"])
+@pytest.mark.parametrize("name", ["amx", "avx512", "avx2"])
 def test_projection_kernels_refuse_what_they_cannot_compute_and_say_why(name):
-    op = {"amx": AMX, "avx512": AVX512}[name]
+    op = {"amx": AMX, "avx512": AVX512, "avx2": AVX2}[name]
     if op is None:
         pytest.skip(f"this CPU (or its compiler) has no {name} projection kernel")
-    pack = getattr(torch.ops.oolong, f"{name}_pack")
+    pack = torch.ops.oolong.amx_pack if name == "amx" else torch.ops.oolong.avx512_pack
     with pytest.raises(RuntimeError, match="multiple"):  # of 32: N for both, K for AMX too
         pack(torch.zeros(48, 48, dtype=torch.bfloat16))
     packed = pack(torch.zeros(64, 64, dtype=torch.bfloat16))
@@ -175,16 +178,20 @@ def test_projection_kernels_refuse_what_they_cannot_compute_and_say_why(name):
             pack(torch.zeros(64, 64), True)
         with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
             op(x[:, :32], pack(torch.zeros(64, 64, dtype=torch.bfloat16), True), None, "none")
+    if name == "avx2":  # the widened and fp32 layouts only
+        with pytest.raises(RuntimeError, match="not its pairs"):
+            op(x, pack(torch.zeros(64, 64, dtype=torch.bfloat16), True), None, "none")
 
 
-def test_the_projection_kernel_is_amxs_else_avx512s_else_none(monkeypatch):
-    """AMX's serves 17+ rows as it is; AVX-512's is offered to be measured against oneDNN's
-    (fused_decode times both), or at every batch with OOLONG_AVX512_LINEAR=1."""
+def test_the_projection_kernel_is_amxs_else_avx512s_else_avx2s_else_none(monkeypatch):
+    """AMX's serves 17+ rows as it is; AVX-512's (or, on a CPU without it, AVX2's) is offered to
+    be measured against oneDNN's (fused_decode times both), or at every batch with
+    OOLONG_AVX512_LINEAR=1 (OOLONG_AVX2_LINEAR=1)."""
     cpu = torch.device("cpu")
     monkeypatch.delenv("OOLONG_AVX512_LINEAR", raising=False)
     fp32 = cpu_kernels.projections(cpu, torch.float32)  # AMX's kernel is bf16 only
-    assert fp32 is None if AVX512 is None else (fp32.name == "avx512" and fp32.measure
-                                                and fp32.serves(1))
+    simd = "avx512" if AVX512 is not None else "avx2" if AVX2 is not None else None
+    assert fp32 is None if simd is None else (fp32.name == simd and fp32.measure and fp32.serves(1))
     assert cpu_kernels.projections(cpu, torch.float16) is None
     assert cpu_kernels.projections(torch.device("meta"), torch.bfloat16) is None
     chosen = cpu_kernels.projections(cpu, torch.bfloat16)
@@ -197,15 +204,24 @@ def test_the_projection_kernel_is_amxs_else_avx512s_else_none(monkeypatch):
         w = torch.zeros(64, 96, dtype=torch.bfloat16)
         assert chosen.pack(w).shape == ((2, 48, 64) if pairs else (2, 96, 32))
         assert chosen.pack(torch.zeros(64, 95, dtype=torch.bfloat16)).shape == (2, 95, 32)
+    elif AVX2 is not None:  # a CPU without AVX-512: the AVX2 kernel, measured, widened bf16
+        assert chosen.name == "avx2" and chosen.measure
+        assert chosen.pack(torch.zeros(64, 96, dtype=torch.bfloat16)).shape == (2, 96, 32)
     else:
         assert chosen is None
     monkeypatch.setenv("OOLONG_AVX512_LINEAR", "1")
     forced = cpu_kernels.projections(cpu, torch.float32)
-    assert forced is None if AVX512 is None else not forced.measure
+    assert (forced is None if AVX512 is None and AVX2 is None else forced.name == "avx2" and forced.measure
+            if AVX512 is None else not forced.measure)
+    monkeypatch.setenv("OOLONG_AVX2_LINEAR", "1")
+    if AVX512 is None and AVX2 is not None:
+        assert not cpu_kernels.projections(cpu, torch.float32).measure
     monkeypatch.setenv("OOLONG_AMX", "0")
     without_amx = cpu_kernels.projections(cpu, torch.bfloat16)
-    assert without_amx is None if AVX512 is None else without_amx.name.startswith("avx512")
-    monkeypatch.setenv("OOLONG_AVX512_LINEAR", "0")
+    assert (without_amx.name.startswith("avx512") if AVX512 is not None
+            else without_amx.name == "avx2" if AVX2 is not None else without_amx is None)
+    monkeypatch.setenv("OOLONG_AVX512_LINEAR", "0")  # where it is built, AVX2's does not stand in
+    monkeypatch.setenv("OOLONG_AVX2_LINEAR", "0")
     assert cpu_kernels.projections(cpu, torch.bfloat16) is None
     assert cpu_kernels.projections(cpu, torch.float32) is None
 
@@ -232,3 +248,57 @@ def test_avx512_projections_in_fp32_are_the_exact_product_up_to_fp32_sums(rows):
     torch.testing.assert_close(fused.double(), want, atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="float32"):  # x in the packed weight's dtype
         AVX512(x.bfloat16(), packed, None, "none")
+
+
+@needs_avx2
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 16, 64, 100])
+def test_avx2_projections_are_the_exact_product_with_their_epilogues(rows, dtype):
+    """Passes of one to six rows by half panels, K in chunks (200: fp32 64 k a chunk, four of
+    them; widened bf16 128, two): the products exact, the sums fp32, bf16 rounded once."""
+    from training_core.engines.fused_decode import _interleave
+
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(96, 200, generator=g) * 0.1).to(dtype)  # three panels of 32 columns
+    x = torch.randn(rows, 200, generator=g).to(dtype)
+    residual = torch.randn(rows, 96, generator=g).to(dtype)
+    packed = torch.ops.oolong.avx512_pack(w)
+    exact = x.double() @ w.double().T
+    # bf16: the one rounding's half step; fp32: the sums' order
+    tol = dict(atol=1e-5, rtol=2 ** -8) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    plain = AVX2(x, packed, None, "none")
+    assert plain.shape == (rows, 96) and plain.dtype == dtype
+    torch.testing.assert_close(plain.double(), exact, **tol)
+    added = AVX2(x, packed, residual, "add")  # the residual added before the one rounding
+    torch.testing.assert_close(added.double(), exact + residual.double(), **tol)
+    gate, up = w[:48], w[48:]
+    fused = AVX2(x, torch.ops.oolong.avx512_pack(_interleave(gate, up)), None, "silu_mul")
+    assert fused.shape == (rows, 48) and fused.dtype == dtype
+    if dtype == torch.float32:
+        want = torch.nn.functional.silu(x.double() @ gate.double().T) * (x.double() @ up.double().T)
+        torch.testing.assert_close(fused.double(), want, atol=1e-5, rtol=1e-5)
+    else:  # transformers' rounding: bf16(bf16(SiLU(gate)) * up)
+        silu = torch.nn.functional.silu((x.double() @ gate.double().T).float()).bfloat16()
+        want = (silu.float() * (x.double() @ up.double().T).float()).bfloat16()
+        torch.testing.assert_close(fused.float(), want.float(), atol=0.02, rtol=2 ** -6)
+
+
+@needs_avx2
+def test_avx2_projections_round_bf16_to_nearest_even_and_keep_nan_and_inf():
+    """The epilogue's own rounding (AVX2 has no bf16 conversion) as torch rounds: ties to even,
+    overflow to infinity, NaN kept. Each row's sum is x[0] + x[1] in fp32 (both columns of the
+    weight 1), then rounded once."""
+    w = torch.zeros(32, 32, dtype=torch.bfloat16)
+    w[:, :2] = 1.0
+    x = torch.zeros(8, 32)
+    # 1 + 2^-8: halfway between 1 and 1 + 2^-7, to the even 1; 1 + 3 * 2^-8: halfway, up to
+    # 1 + 2^-6; 1 + 2^-9: down; two bf16 maxima overflow; infinity; NaN; a negative tie
+    x[:, 0] = torch.tensor([1.0, 1.0, 1.0, 3.3e38, 1.0, 1.0, -1.0, 0.0])
+    x[:, 1] = torch.tensor([2 ** -8, 3 * 2 ** -8, 2 ** -9, 3.3e38, float("inf"), float("nan"),
+                            -2 ** -8, 0.0])
+    x = x.bfloat16()
+    got = AVX2(x, torch.ops.oolong.avx512_pack(w), None, "none")[:, 0]
+    want = (x[:, 0].float() + x[:, 1].float()).bfloat16()  # torch's rounding of the fp32 sum
+    assert want[0] == 1.0 and want[1] == 1 + 2 ** -6 and want[3] == float("inf")
+    nan = want.isnan()
+    assert torch.equal(got[~nan], want[~nan]) and got[nan].isnan().all()

@@ -1,7 +1,8 @@
 """The embedded engine's own CPU kernels (``kernels/*.cpp``), built for this machine on first use:
 decode attention (with the rotary embedding and the cache write folded in), RMSNorm, sampling
-(``decode_step.cpp``), and the bf16 projections of a decode step: on CPUs with AMX
-(``amx_linear.cpp``), else on AVX-512 ones (``avx512_linear.cpp``); see fused_decode.py.
+(``decode_step.cpp``), and the projections of a decode step: bf16 on CPUs with AMX
+(``amx_linear.cpp``), else bf16 or fp32 on AVX-512 ones (``avx512_linear.cpp``), else on AVX2
+ones (``avx2_linear.cpp``); see fused_decode.py.
 
 Decode attention at a small batch is a poor fit for torch's CPU kernels: each (row, key head)
 is a [group, D] x [D, L] product, tiny for oneDNN's batched matmul, and the keys and values
@@ -46,9 +47,11 @@ log = logging.getLogger("oolong.server")
 CPU_KERNELS_ENV = "OOLONG_CPU_KERNELS"  # "0": torch's kernels only (to compare, or rule them out)
 AMX_ENV = "OOLONG_AMX"  # "0": not the AMX kernel's projections
 AVX512_LINEAR_ENV = "OOLONG_AVX512_LINEAR"  # "0": not the AVX-512 kernel's (both "0": oneDNN's)
+AVX2_LINEAR_ENV = "OOLONG_AVX2_LINEAR"  # "0": not the AVX2 kernel's; "1": it at every batch
 AMX_MIN_ROWS = 17  # see projections()
 SOURCES = [Path(__file__).parent / "kernels" / name for name in ("decode_step.cpp", "amx_linear.cpp",
-                                                                  "avx512_linear.cpp")]
+                                                                  "avx512_linear.cpp",
+                                                                  "avx2_linear.cpp")]
 HEADERS = [Path(__file__).parent / "kernels" / "projection_epilogue.h"]  # in the build's key too
 HEAD_SIZES = (16, 32, 64, 128)  # what the attention kernel is compiled for
 _lock = threading.Lock()
@@ -204,6 +207,20 @@ def avx512_linear(device: torch.device, dtype: torch.dtype) -> Callable[..., tor
     return torch.ops.oolong.avx512_linear
 
 
+def avx2_linear(device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+    """``op(x [M, K], packed, other [M, N] | None, epilogue) -> [M, N]``, bf16 or fp32, on
+    weights packed by ``torch.ops.oolong.avx512_pack`` without pairs (kernels/avx2_linear.cpp):
+    the same epilogues in passes of six rows by sixteen columns. None where it does not serve:
+    another device or dtype, a build whose compiler did not target AVX2 with FMA, or
+    OOLONG_AVX2_LINEAR=0."""
+    if (device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32)
+            or os.environ.get(AVX2_LINEAR_ENV) == "0"):
+        return None
+    if not load() or not torch.ops.oolong.avx2_linear_available():
+        return None
+    return torch.ops.oolong.avx2_linear
+
+
 CALIBRATION_ROWS = (1, 4, 16, 64)  # the batch sizes a measured kernel is timed at (measured())
 WIN_MARGIN = 0.95  # a measured kernel serves a batch size where it took under 95% of oneDNN's time
 
@@ -229,7 +246,7 @@ class Projections:
     ``measure``: whether it is only worth it where it outruns oneDNN on this CPU, so the caller
     times both on its own weights (:func:`measured`) before it decodes on it."""
 
-    name: str  # "amx", "avx512" (bf16 widened, or fp32) or "avx512-pairs" (bf16 by vdpbf16ps)
+    name: str  # "amx", "avx512" (bf16 widened, or fp32), "avx512-pairs" (bf16 by vdpbf16ps), "avx2"
     pack: Callable[[torch.Tensor], torch.Tensor]
     linear: Callable[..., torch.Tensor]
     min_rows: int = 1
@@ -248,14 +265,16 @@ class Projections:
 def projections(device: torch.device, dtype: torch.dtype) -> Projections | None:
     """For bf16, AMX's kernel where it serves (batches of AMX_MIN_ROWS rows or more: its passes
     of 32 rows would pad smaller ones, where oneDNN's AMX path was as fast); else, bf16 or fp32,
-    the AVX-512 kernel; else None: oneDNN's projections.
+    the AVX-512 kernel; else the AVX2 one; else None: oneDNN's projections.
 
     The AVX-512 kernel takes bf16 widened to fp32 where vdpbf16ps issues at half an FMA's rate
     (a Xeon without AMX), else in vdpbf16ps's pairs of k (AMD's Zen 4: as fast as an FMA, twice
     the products). Its rank against oneDNN still depends on the CPU and the batch: on that Xeon
     it was faster at every batch (bf16 1.6x at 64 rows, fp32 1.15x); on the EPYC, widened, oneDNN's
     bf16 was 1.3-2x faster from 4 rows up. So it comes with ``measure`` set, unless
-    OOLONG_AVX512_LINEAR=1 asks for it at every batch (OOLONG_AVX512_LINEAR=0: never)."""
+    OOLONG_AVX512_LINEAR=1 asks for it at every batch (OOLONG_AVX512_LINEAR=0: never). The AVX2
+    kernel is for CPUs without AVX-512 (where that kernel is built, switching it off leaves
+    oneDNN's), measured likewise (OOLONG_AVX2_LINEAR=1: at every batch; 0: never)."""
     amx = amx_linear(device, dtype)
     if amx is not None:
         return Projections("amx", torch.ops.oolong.amx_pack, amx, min_rows=AMX_MIN_ROWS)
@@ -264,6 +283,10 @@ def projections(device: torch.device, dtype: torch.dtype) -> Projections | None:
         pairs = dtype == torch.bfloat16 and torch.ops.oolong.avx512_dot_pairs_faster()
         return Projections("avx512-pairs" if pairs else "avx512", partial(_avx512_pack, pairs=pairs),
                            avx512, measure=os.environ.get(AVX512_LINEAR_ENV) != "1")
+    avx2 = avx2_linear(device, dtype)
+    if avx2 is not None and not torch.ops.oolong.avx512_linear_available():
+        return Projections("avx2", partial(_avx512_pack, pairs=False), avx2,
+                           measure=os.environ.get(AVX2_LINEAR_ENV) != "1")
     return None
 
 
