@@ -189,6 +189,7 @@ def test_the_projection_kernel_is_amxs_else_avx512s_else_avx2s_else_none(monkeyp
     OOLONG_AVX512_LINEAR=1 (OOLONG_AVX2_LINEAR=1)."""
     cpu = torch.device("cpu")
     monkeypatch.delenv("OOLONG_AVX512_LINEAR", raising=False)
+    monkeypatch.delenv("OOLONG_AVX2_LINEAR", raising=False)
     fp32 = cpu_kernels.projections(cpu, torch.float32)  # AMX's kernel is bf16 only
     simd = "avx512" if AVX512 is not None else "avx2" if AVX2 is not None else None
     assert fp32 is None if simd is None else (fp32.name == simd and fp32.measure and fp32.serves(1))
@@ -220,7 +221,9 @@ def test_the_projection_kernel_is_amxs_else_avx512s_else_avx2s_else_none(monkeyp
     without_amx = cpu_kernels.projections(cpu, torch.bfloat16)
     assert (without_amx.name.startswith("avx512") if AVX512 is not None
             else without_amx.name == "avx2" if AVX2 is not None else without_amx is None)
-    monkeypatch.setenv("OOLONG_AVX512_LINEAR", "0")  # where it is built, AVX2's does not stand in
+    monkeypatch.setenv("OOLONG_AVX512_LINEAR", "0")
+    if AVX512 is not None:  # where it is built, AVX2's does not stand in for it
+        assert cpu_kernels.projections(cpu, torch.float32) is None
     monkeypatch.setenv("OOLONG_AVX2_LINEAR", "0")
     assert cpu_kernels.projections(cpu, torch.bfloat16) is None
     assert cpu_kernels.projections(cpu, torch.float32) is None
@@ -290,15 +293,20 @@ def test_avx2_projections_round_bf16_to_nearest_even_and_keep_nan_and_inf():
     weight 1), then rounded once."""
     w = torch.zeros(32, 32, dtype=torch.bfloat16)
     w[:, :2] = 1.0
-    x = torch.zeros(8, 32)
     # 1 + 2^-8: halfway between 1 and 1 + 2^-7, to the even 1; 1 + 3 * 2^-8: halfway, up to
-    # 1 + 2^-6; 1 + 2^-9: down; two bf16 maxima overflow; infinity; NaN; a negative tie
-    x[:, 0] = torch.tensor([1.0, 1.0, 1.0, 3.3e38, 1.0, 1.0, -1.0, 0.0])
-    x[:, 1] = torch.tensor([2 ** -8, 3 * 2 ** -8, 2 ** -9, 3.3e38, float("inf"), float("nan"),
+    # 1 + 2^-6; 1 + 2^-9: down; bf16's largest plus 1e36, finite in fp32, rounds up to infinity,
+    # and its negative to -infinity; infinity; NaN; a negative tie
+    big = torch.finfo(torch.bfloat16).max
+    x = torch.zeros(9, 32)
+    x[:, 0] = torch.tensor([1.0, 1.0, 1.0, big, -big, 1.0, 1.0, -1.0, 0.0])
+    x[:, 1] = torch.tensor([2 ** -8, 3 * 2 ** -8, 2 ** -9, 1e36, -1e36, float("inf"), float("nan"),
                             -2 ** -8, 0.0])
     x = x.bfloat16()
     got = AVX2(x, torch.ops.oolong.avx512_pack(w), None, "none")[:, 0]
-    want = (x[:, 0].float() + x[:, 1].float()).bfloat16()  # torch's rounding of the fp32 sum
-    assert want[0] == 1.0 and want[1] == 1 + 2 ** -6 and want[3] == float("inf")
+    total = x[:, 0].float() + x[:, 1].float()
+    assert total[3].isfinite() and total[4].isfinite()  # the overflow is the rounding's own
+    want = total.bfloat16()  # torch's rounding of the fp32 sum
+    assert want[0] == 1.0 and want[1] == 1 + 2 ** -6
+    assert want[3] == float("inf") and want[4] == float("-inf")
     nan = want.isnan()
     assert torch.equal(got[~nan], want[~nan]) and got[nan].isnan().all()

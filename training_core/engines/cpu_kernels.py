@@ -16,7 +16,10 @@ them to bf16 before the softmax), and the step's key is written into the cache (
 in blocks of 32 columns, slot_cache.py) while its lines are being read anyway. RMSNorm was five to eight
 operators of a few microseconds each, 61 times a step. Sampling was five passes of torch over
 [64, 49,152] logits (the tempered softmax in fp32, block sums, cumulative sums, a gather): 3.3-3.9
-ms of a SmolLM2 bf16 step; one pass per row that stays in cache takes 0.7-1.0.
+ms of a SmolLM2 bf16 step; one pass per row that stays in cache takes 0.7-1.0. Their vectors are
+one register of the target wide (sixteen floats with AVX-512, eight with AVX2): sixteen on an
+AVX2 CPU were compiled to memory operations, and its fp32 attention then ran at 0.6x torch's
+(an AVX2 EPYC, benchmarks/decode_attention.py: 99-103 -> 26 ms; torch's 63-74).
 
 The build is torch's own (``torch.utils.cpp_extension``, ninja, the system's C++ compiler) with
 ``-march=native``, into ``$OOLONG_CACHE/kernels/<key>`` where the key covers the source, torch's
@@ -273,7 +276,8 @@ def projections(device: torch.device, dtype: torch.dtype) -> Projections | None:
     it was faster at every batch (bf16 1.6x at 64 rows, fp32 1.15x); on the EPYC, widened, oneDNN's
     bf16 was 1.3-2x faster from 4 rows up. So it comes with ``measure`` set, unless
     OOLONG_AVX512_LINEAR=1 asks for it at every batch (OOLONG_AVX512_LINEAR=0: never). The AVX2
-    kernel is for CPUs without AVX-512 (where that kernel is built, switching it off leaves
+    kernel is for CPUs where the AVX-512 one is not built (no AVX-512 with bf16 conversions:
+    AMD's Zen 2 and 3, Xeons before Cooper Lake; where it is built, switching it off leaves
     oneDNN's), measured likewise (OOLONG_AVX2_LINEAR=1: at every batch; 0: never)."""
     amx = amx_linear(device, dtype)
     if amx is not None:

@@ -30,7 +30,12 @@ cores), the step's projections went 116-124 -> 72-74 ms at 64 rows, 41.6 -> 28 a
 11.2 at one, and fp32's 89.6 -> 77.7 at 64 rows. On an AMD EPYC (Zen 4) vdpbf16ps issues as
 fast as an FMA, so twice the products, and oneDNN's bf16 (on it) outran the widening kernel 2x
 at 64 rows; there the kernel takes bf16 in vdpbf16ps's pairs of k instead (the CPU's two rates
-are measured once per process). Which of kernel and oneDNN is faster still depends on the
+are measured once per process). On a CPU with AVX2 where that kernel is not built (no
+AVX-512 with bf16 conversions, such as AMD's Zen 3) the AVX2
+kernel (kernels/avx2_linear.cpp) does the same in passes of six rows by half a panel: SmolLM2's
+fp32 projections 27.2 -> 21.6 ms at one row, 58 -> 44 at 16, 151 -> 130 at 64 (an AVX2 EPYC; a
+bf16 model does not reach it there, since oneDNN cannot pack bf16 without AVX-512 and the
+decoder needs its packed weights). Which of kernel and oneDNN is faster still depends on the
 CPU and the batch, so the decoder times both on its own weights when it is made
 (cpu_kernels.measured: a step's projections, lm_head's included, three times each per
 calibration batch size, about a second for SmolLM2) and decodes on the kernel only at the batch

@@ -1,5 +1,5 @@
-// The engine's linear layers on CPUs with AVX2 and FMA but no AVX-512 (AMD's Zen 2 and 3, older
-// Xeons): out[M, N] = x[M, K] . W[N, K]^T with the decode step's epilogues fused (a residual add;
+// The engine's linear layers on CPUs with AVX2 and FMA where the AVX-512 kernel is not built
+// (no AVX-512 with bf16 conversions: AMD's Zen 2 and 3, Xeons before Cooper Lake): out[M, N] = x[M, K] . W[N, K]^T with the decode step's epilogues fused (a residual add;
 // SiLU(gate) * up), as avx512_linear.cpp, on the same packed panels (``avx512_pack``'s fp32 and
 // widened bf16 layouts: nothing in them is specific to AVX-512).
 //
@@ -238,7 +238,7 @@ template <typename L>
 void linear(const float* x, const typename L::W* w, typename L::Out* out,
             const typename L::Out* other, Epilogue epi, int64_t M, int64_t K, int64_t N,
             int64_t ld_out) {
-  // passes of at most MAX_ROWS rows, as even as they can be (16 rows: 6, 5, 5)
+  // passes of at most MAX_ROWS rows, as even as they can be (16 rows: 5, 5, 6)
   const int64_t passes = (M + MAX_ROWS - 1) / MAX_ROWS;
   const int64_t panel_size = K * L::kStepBytes / static_cast<int64_t>(sizeof(typename L::W));
   at::parallel_for(0, N / COLS, 1, [&](int64_t begin, int64_t end) {

@@ -38,20 +38,31 @@ inline void store(uint16_t* p, int64_t i, float x) {  // round to nearest even, 
   p[i] = static_cast<uint16_t>(bits >> 16);
 }
 
-// Sixteen floats (one AVX-512 register; two AVX2 ones): GCC's vector extensions, so that the
-// accumulators live in registers (plain float arrays were spilled to the stack every step).
-typedef float vfloat __attribute__((vector_size(64)));
-typedef uint32_t vbits __attribute__((vector_size(64)));
-typedef uint16_t vhalf __attribute__((vector_size(32)));
+// One register of floats: sixteen on AVX-512, eight on AVX2. GCC's vector extensions, so that
+// the accumulators live in registers (plain float arrays were spilled to the stack every step).
+// A vector wider than the target's registers is not one: GCC lowered sixteen floats on AVX2 to
+// memory, a broadcast as sixteen scalar stores and every accumulator copied through the stack
+// (fp32 decode attention ran at 0.6x torch's on an AVX2 EPYC), hence the width per target, and
+// AVX2's tiles sized for its sixteen registers (WIDE: AVX-512's thirty-two).
+#ifdef __AVX512F__
 constexpr int64_t LANES = 16;
+constexpr bool WIDE = true;
+#else
+constexpr int64_t LANES = 8;
+constexpr bool WIDE = false;
+#endif
+typedef float vfloat __attribute__((vector_size(LANES * 4)));
+typedef uint32_t vbits __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vhalf __attribute__((vector_size(LANES * 2)));
 constexpr int64_t BLOCK = 32;  // columns per block of the key cache (slot_cache.KEY_BLOCK)
+constexpr int64_t SAMPLE_MULTIPLE = 16;  // the sampling kernel's blocks: whole vectors on every target
 
 inline vfloat loadv(const float* p) {
   vfloat r;
   std::memcpy(&r, p, sizeof r);
   return r;
 }
-inline vfloat loadv(const uint16_t* p) {  // sixteen bfloat16 values
+inline vfloat loadv(const uint16_t* p) {  // LANES bfloat16 values
   vhalf h;
   std::memcpy(&h, p, sizeof h);
   const vbits bits = __builtin_convertvector(h, vbits) << 16;
@@ -73,16 +84,21 @@ inline void load_pairs(const uint16_t* p, vfloat& even, vfloat& odd) {
 }
 // load_pairs' order undone: (e0 o0 ... e7 o7) into lo, (e8 o8 ... e15 o15) into hi.
 inline void interleave(vfloat even, vfloat odd, vfloat& lo, vfloat& hi) {
+#ifdef __AVX512F__
   lo = __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   hi = __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
                                15, 31);
+#else
+  lo = __builtin_shufflevector(even, odd, 0, 8, 1, 9, 2, 10, 3, 11);
+  hi = __builtin_shufflevector(even, odd, 4, 12, 5, 13, 6, 14, 7, 15);
+#endif
 }
 
-// exp for x <= 0, on a float or on sixteen lanes alike (std::exp is a call per element): 2^n *
+// exp for x <= 0, on a float or on a vector's lanes alike (std::exp is a call per element): 2^n *
 // e^y with n = round(x / ln 2) (the 1.5 * 2^23 trick, exact for |n| < 2^22) and |y| <= ln 2 / 2,
 // e^y by its Taylor series to degree 7 (relative error below 1e-7 there); below -87 (a masked
 // column's -inf included) exactly 0.
-typedef int32_t vint __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(LANES * 4)));
 inline int32_t as_int(float n) { return static_cast<int32_t>(n); }
 inline vint as_int(vfloat n) { return __builtin_convertvector(n, vint); }
 inline float as_float(int32_t bits) {
@@ -133,11 +149,15 @@ inline void rotate(const T* x, const float* cb, const float* sb, float mult, flo
 }
 
 // The next task's cache lines, fetched towards L2 from the current task's inner loops: its keys
-// (one contiguous run of blocks) spread over the whole pass over the current task's keys, two
-// lines per iteration over the head dim in bf16 and four in fp32 (four in bf16 finished in the
-// first half of the pass: 4-5% slower), and two lines of values per column.
+// (one contiguous run of blocks) spread over the whole pass over the current task's keys, as
+// many lines per iteration over the head dim as the iteration reads (AVX-512, two blocks: two
+// in bf16, four in fp32; four in bf16 finished in the first half of the pass: 4-5% slower; AVX2,
+// one vector of columns: one line every four or two iterations), and two lines of values per
+// column.
 struct Ahead {
-  const int key_lines;  // per iteration: 2 for bf16, 4 for fp32 (a pair of blocks is 2 or 4 x D lines)
+  const int key_lines;  // lines per key() call that fetches
+  const int key_every;  // 1: every call fetches; n: one call in n
+  int calls = 0;
   const char* keys = nullptr;
   const char* keys_end = nullptr;
   const char* values = nullptr;
@@ -148,6 +168,7 @@ struct Ahead {
     values = v, values_end = v + v_bytes;
   }
   void key() {
+    if (key_every > 1 && ++calls % key_every != 0) return;
     for (int i = 0; i < key_lines && keys < keys_end; ++i, keys += 64) __builtin_prefetch(keys, 0, 2);
   }
   void value() {
@@ -179,7 +200,8 @@ inline void store_scores(vfloat even, vfloat odd, const float* mask, int64_t at,
 // of one dim contiguous, its dims one after another), values v [B, KV, C, D] (head dim
 // contiguous), bias [B, C] (0 where a row attends, -inf elsewhere) -> out [B, H, D].
 // Both products are broadcasts times contiguous vectors, accumulated in registers: scores two
-// blocks of columns at a time over the head dim, outputs over the head dim per column.
+// blocks of columns at a time over the head dim (AVX2: a vector of columns), outputs over the
+// head dim per column.
 // Each loaded vector of keys or values serves GB query heads of the group at once (a load per
 // multiply-add left the loops waiting on the cache), and the accumulators are independent (one
 // chain of multiply-adds waits out each one's latency). No horizontal sums. D and GB are
@@ -195,7 +217,9 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
             const int64_t* ks, const int64_t* vs, int64_t bias_row, float scale) {
   static_assert(D % LANES == 0, "head size a multiple of LANES");
   constexpr int64_t DV = D / LANES, PAIR = 2 * LANES, SPAN = D * BLOCK;  // SPAN: one block
-  static_assert(BLOCK == PAIR, "a block is one pair of vectors of bf16 columns");
+  // bf16 keys as pairs (a block is one pair of AVX-512 vectors); on AVX2 widened in order
+  constexpr bool key_pairs = std::is_same_v<T, uint16_t> && WIDE;
+  static_assert(!key_pairs || BLOCK == PAIR, "a block is one pair of vectors of bf16 columns");
   const int64_t G = H / KV;
   at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), scores(G * C);  // scores by absolute column, a row per head
@@ -211,7 +235,10 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
       }
       lo = row_first, hi = row_last;
     };
-    Ahead ahead{static_cast<int>(sizeof(T))};
+    // the bytes of keys an iteration reads: two blocks' (AVX-512) or one vector's (AVX2)
+    constexpr int64_t step_bytes = (WIDE ? 2 * BLOCK : LANES) * static_cast<int64_t>(sizeof(T));
+    Ahead ahead{static_cast<int>(std::max<int64_t>(1, step_bytes / 64)),
+                static_cast<int>(std::max<int64_t>(1, 64 / step_bytes))};
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KV, h = task % KV;
       T* kb = kt + b * ks[0] + h * ks[1];
@@ -255,9 +282,10 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
       for (int64_t g0 = 0; g0 < G; g0 += GB) {
         const float* qq = qf.data() + g0 * D;
         float* sg = scores.data() + g0 * C;
-        // Two blocks at a time, then one. Within a block, a dim's BLOCK columns are contiguous.
+        // Two blocks at a time, then one (AVX2: a vector at a time). Within a block, a dim's
+        // BLOCK columns are contiguous.
         int64_t c0 = c_first;
-        if constexpr (std::is_same_v<T, uint16_t>) {
+        if constexpr (key_pairs) {
           // each block's columns read as pairs: the even columns' scores and the odd ones' in
           // their own accumulators, put back in order once per block
           for (; c0 + BLOCK < last; c0 += 2 * BLOCK) {
@@ -292,7 +320,8 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
           }
         } else {
           constexpr int64_t NB = 2 * BLOCK / LANES;  // vectors in two blocks
-          for (; c0 + BLOCK < last; c0 += 2 * BLOCK) {
+          // (AVX2: GB x NB accumulators would be 24 of its 16 registers; a vector at a time)
+          for (; WIDE && c0 + BLOCK < last; c0 += 2 * BLOCK) {
             vfloat acc[GB][NB] = {};
             const T* k0 = kb + c0 / BLOCK * SPAN;
             for (int64_t d = 0; d < D; ++d) {
@@ -346,40 +375,50 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
           }
           inv[g] = total > 0.f ? 1.f / total : 0.f;
         }
-        // bfloat16 values are read as pairs (load_pairs): acc[g][2i] sums the even dims of the
+        // bfloat16 values are read as pairs on AVX-512 (load_pairs): acc[g][2i] sums the even dims of the
         // i-th 32 and acc[g][2i + 1] the odd ones, put back in order at the end.
-        constexpr bool pairs = std::is_same_v<T, uint16_t> && DV % 2 == 0;
-        vfloat acc[GB][DV] = {};
-        for (int64_t c = first; c < last; ++c) {
-          ahead.value();
-          // a masked column (weight 0 for the whole group) is not read: whatever its value
-          // holds, even nan, stays out of the sum
-          bool attended = false;
-          for (int64_t g = 0; g < GB; ++g) attended |= sg[g * C + c] != 0.f;
-          if (!attended) continue;
-          const T* vr = vb + c * vs[2];
-          if constexpr (pairs) {
-            for (int64_t i = 0; i < DV; i += 2) {
-              vfloat even, odd;
-              load_pairs(vr + i * LANES, even, odd);
-              for (int64_t g = 0; g < GB; ++g) {
-                acc[g][i] += sg[g * C + c] * even;
-                acc[g][i + 1] += sg[g * C + c] * odd;
+        constexpr bool pairs = key_pairs && DV % 2 == 0;
+        // The head dim in parts of DP vectors, a pass over the columns each (a task's values stay
+        // in L1 between passes): all of it at once on AVX-512; on AVX2 at most twelve registers
+        // of accumulators for the GB heads.
+        constexpr int64_t FIT = 12 / GB;
+        constexpr int64_t DP = WIDE || pairs ? DV
+                               : FIT >= 4 && DV % 4 == 0 ? 4
+                               : FIT >= 2 && DV % 2 == 0 ? 2
+                                                         : 1;
+        for (int64_t p0 = 0; p0 < DV; p0 += DP) {
+          vfloat acc[GB][DP] = {};
+          for (int64_t c = first; c < last; ++c) {
+            if (p0 == 0) ahead.value();
+            // a masked column (weight 0 for the whole group) is not read: whatever its value
+            // holds, even nan, stays out of the sum
+            bool attended = false;
+            for (int64_t g = 0; g < GB; ++g) attended |= sg[g * C + c] != 0.f;
+            if (!attended) continue;
+            const T* vr = vb + c * vs[2] + p0 * LANES;
+            if constexpr (pairs) {
+              for (int64_t i = 0; i < DP; i += 2) {
+                vfloat even, odd;
+                load_pairs(vr + i * LANES, even, odd);
+                for (int64_t g = 0; g < GB; ++g) {
+                  acc[g][i] += sg[g * C + c] * even;
+                  acc[g][i + 1] += sg[g * C + c] * odd;
+                }
+              }
+            } else {
+              for (int64_t i = 0; i < DP; ++i) {
+                const vfloat values = loadv(vr + i * LANES);
+                for (int64_t g = 0; g < GB; ++g) acc[g][i] += sg[g * C + c] * values;
               }
             }
-          } else {
-            for (int64_t i = 0; i < DV; ++i) {
-              const vfloat values = loadv(vr + i * LANES);
-              for (int64_t g = 0; g < GB; ++g) acc[g][i] += sg[g * C + c] * values;
-            }
           }
-        }
-        for (int64_t g = 0; g < GB; ++g) {
-          if constexpr (pairs)
-            for (int64_t i = 0; i < DV; i += 2) interleave(acc[g][i], acc[g][i + 1], acc[g][i], acc[g][i + 1]);
-          T* o = out + (b * H + h * G + g0 + g) * D;
-          for (int64_t i = 0; i < DV; ++i)
-            for (int64_t l = 0; l < LANES; ++l) store(o, i * LANES + l, acc[g][i][l] * inv[g]);
+          for (int64_t g = 0; g < GB; ++g) {
+            if constexpr (pairs)
+              for (int64_t i = 0; i < DP; i += 2) interleave(acc[g][i], acc[g][i + 1], acc[g][i], acc[g][i + 1]);
+            T* o = out + (b * H + h * G + g0 + g) * D + p0 * LANES;
+            for (int64_t i = 0; i < DP; ++i)
+              for (int64_t l = 0; l < LANES; ++l) store(o, i * LANES + l, acc[g][i][l] * inv[g]);
+          }
         }
       }
     }
@@ -598,7 +637,8 @@ std::tuple<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const at::Te
   TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
               "logits: float32 or bfloat16");
   const int64_t B = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V > 0 && chunk > 0 && chunk % LANES == 0, "an empty vocabulary, or a block that "
+  static_assert(SAMPLE_MULTIPLE % LANES == 0, "a block is whole vectors");
+  TORCH_CHECK(V > 0 && chunk > 0 && chunk % SAMPLE_MULTIPLE == 0, "an empty vocabulary, or a block that "
               "is not a multiple of 16");
   TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.is_contiguous() &&
                   temperature.numel() == B,

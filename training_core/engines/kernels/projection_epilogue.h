@@ -1,6 +1,7 @@
-// What the decode step's two projection kernels (amx_linear.cpp, avx512_linear.cpp) share: the
-// epilogues fused into them, their checks of the call, and the row writer that applies them to
-// one panel of 32 output columns held as two vectors of sixteen floats.
+// What the decode step's projection kernels share: the epilogues fused into them and their checks
+// of the call (all three), and the row writer that applies them to one panel of 32 output columns
+// held as two vectors of sixteen floats (amx_linear.cpp, avx512_linear.cpp; avx2_linear.cpp has
+// its own for half a panel).
 #pragma once
 
 #include <ATen/ATen.h>
