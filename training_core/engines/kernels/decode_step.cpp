@@ -382,7 +382,7 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
         // in L1 between passes): all of it at once on AVX-512; on AVX2 at most twelve registers
         // of accumulators for the GB heads.
         constexpr int64_t FIT = 12 / GB;
-        constexpr int64_t DP = WIDE || pairs ? DV
+        constexpr int64_t DP = WIDE ? DV
                                : FIT >= 4 && DV % 4 == 0 ? 4
                                : FIT >= 2 && DV % 2 == 0 ? 2
                                                          : 1;
