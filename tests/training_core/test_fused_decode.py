@@ -185,6 +185,7 @@ def test_kernel_projections_decode_as_well_as_onednns_and_follow_a_weight_update
         models[dtype] = (lm, fused_decode.FusedDecoder(lm))
     lm, decoder = models[low]
     assert decoder._proj is not None and decoder._proj.name == kernel.name
+    decoder._layers_op = None  # the layers' loop in Python, whose calls the test counts
     vocab = lm.config.vocab_size
     prompts = [[1, (7 + i) % vocab, 8, 9, (10 + 3 * i) % vocab][: 3 + i % 3] for i in range(20)]
     calls = []
@@ -235,6 +236,76 @@ def test_kernel_projections_decode_as_well_as_onednns_and_follow_a_weight_update
     assert (after - before).abs().mean() > 0.05 * after.abs().mean(), "the kernel's copies must follow"
 
 
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_the_layers_in_one_call_are_the_python_loop_bit_for_bit(model, tiny_model_dir, request,
+                                                                   monkeypatch):
+    """Where the kernels make the whole step, the decoder runs its layers in one call
+    (cpu_kernels.decode_layers): the same operators in the same order as its loop in Python, so
+    the same logits and the same keys and values in the cache, bit for bit, over three steps (the
+    cache's column moving), before and after new weights (the call's lists follow them)."""
+    from training_core.engines import cpu_kernels, fused_decode
+    from training_core.engines.packed_linear import pack_linears, repack
+    from training_core.engines.slot_cache import ATTENTION, SlotCache, forest_prefill
+
+    monkeypatch.setenv(cpu_kernels.AVX512_LINEAR_ENV, "1")
+    monkeypatch.setenv(cpu_kernels.AVX2_LINEAR_ENV, "1")
+    low = _packed_dtype()
+    if cpu_kernels.projections(torch.device("cpu"), getattr(torch, low)) is None:
+        pytest.skip("no projection kernel for this CPU (AMX-BF16, AVX-512 with BF16 or AVX2)")
+    model_dir = tiny_model_dir if model == "tiny" else request.getfixturevalue("smollm2_dir")
+    lm = load_model(model_dir, low).eval()
+    pack_linears(lm)
+    lm.config._attn_implementation = ATTENTION
+    dec = fused_decode.FusedDecoder(lm)
+    one_call = dec._layers_op
+    assert one_call is not None and dec._proj is not None
+    vocab = lm.config.vocab_size
+    prompts = [[1, (7 + i) % vocab, 8, 9, (10 + 3 * i) % vocab][: 3 + i % 3] for i in range(20)]
+    calls = []
+
+    def steps(in_one_call: bool) -> tuple[list[torch.Tensor], SlotCache]:
+        dec._layers_op = (lambda *a: calls.append(a[8]) or one_call(*a)) if in_one_call else None
+        with torch.no_grad():
+            layers_kv, mask, last = forest_prefill(lm, prompts, torch.device("cpu"))
+            slots = SlotCache(len(layers_kv), layers_kv[0][0].shape[1], layers_kv[0][0].shape[3],
+                              layers_kv[0][0].dtype, torch.device("cpu"), keys_blocked=True)
+            slots.join(layers_kv, mask, torch.arange(len(prompts)))
+            tokens, positions, out = last.argmax(-1), mask.sum(-1), []
+            for _ in range(3):
+                out.append(dec(tokens, positions, slots.decode_mask(), slots))
+                slots.advance()
+                tokens, positions = out[-1].argmax(-1), positions + 1
+        return out, slots
+
+    first: list[torch.Tensor] = []
+    for update in (False, True):
+        if update:
+            with torch.no_grad():
+                g = torch.Generator().manual_seed(2)
+                for p in lm.model.layers.parameters():
+                    p.add_(0.02 * torch.randn(p.shape, generator=g).to(p.dtype))
+            repack(lm)
+            dec.refresh()
+        calls.clear()
+        fused, fused_slots = steps(True)
+        assert calls == [dec._proj.op] * 3
+        looped, looped_slots = steps(False)
+        for a, b in zip(fused, looped, strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(_cached(fused_slots, "keys"), _cached(looped_slots, "keys"))
+        assert torch.equal(_cached(fused_slots, "values"), _cached(looped_slots, "values"))
+        first.append(fused[0])
+    assert not torch.equal(*first), "the call's weights must follow the update"
+
+
+def _cached(slots, which: str) -> torch.Tensor:
+    """Every layer's keys or values at the cache's valid columns (the buffers are not zero-filled:
+    what lies elsewhere is whatever the memory held), zeros elsewhere."""
+    n, lo, hi = slots.size, slots.lo, slots.hi
+    held = getattr(slots, which)[:, :n, :, lo:hi]  # [layers, rows, heads, columns, dim]
+    return held.masked_fill(~slots.valid[:n, lo:hi].view(1, n, 1, -1, 1), 0)
+
+
 @pytest.mark.parametrize("outcome", ["as_timed", "won_1_and_64", "won_none"])
 def test_a_measured_projection_kernel_decodes_only_at_the_batches_it_won(tiny_model_dir, monkeypatch,
                                                                          outcome):
@@ -282,6 +353,7 @@ def test_a_measured_projection_kernel_decodes_only_at_the_batches_it_won(tiny_mo
         assert not dec._proj.measure and dec._proj.won <= set(cpu_kernels.CALIBRATION_ROWS)
         assert len(dec._proj_layers) == lm.config.num_hidden_layers
         real_linear = dec._proj.linear
+        dec._layers_op = None  # the loop in Python, whose calls the test counts
         dec._proj = dataclasses.replace(dec._proj, linear=lambda *a: calls.append(a[0].shape[0])
                                         or real_linear(*a))
     calls = []
@@ -319,7 +391,7 @@ def test_measured_keeps_the_batch_sizes_where_the_kernel_was_faster(monkeypatch)
     def step(seconds):
         return lambda rows: now.__setitem__(0, now[0] + seconds(rows))
 
-    offered = cpu_kernels.Projections("avx512", lambda w: w, lambda *a: None, measure=True)
+    offered = cpu_kernels.Projections("avx512", lambda w: w, lambda *a: None, "avx512_linear", measure=True)
     onednn = step(lambda rows: 0.010)
     chosen = cpu_kernels.measured(offered, step(lambda rows: 0.03 if rows in (4, 16) else 0.005),
                                   onednn)

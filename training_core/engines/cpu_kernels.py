@@ -54,7 +54,8 @@ AVX2_LINEAR_ENV = "OOLONG_AVX2_LINEAR"  # "0": not the AVX2 kernel's; "1": it at
 AMX_MIN_ROWS = 17  # see projections()
 SOURCES = [Path(__file__).parent / "kernels" / name for name in ("decode_step.cpp", "amx_linear.cpp",
                                                                   "avx512_linear.cpp",
-                                                                  "avx2_linear.cpp")]
+                                                                  "avx2_linear.cpp",
+                                                                  "decode_layers.cpp")]
 HEADERS = [Path(__file__).parent / "kernels" / "projection_epilogue.h"]  # in the build's key too
 HEAD_SIZES = (16, 32, 64, 128)  # what the attention kernel is compiled for
 _lock = threading.Lock()
@@ -183,6 +184,17 @@ def sample(device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tens
     return torch.ops.oolong.sample
 
 
+def decode_layers(device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """``op(h [B, hidden], input_norms, post_norms, eps, qkv, o, gate_up, down (lists, a tensor per
+    layer), linear, cos, sin, key_blocks, values, bias, column, scale, heads, kv_heads) -> h``:
+    a decode step's layers in one call (kernels/decode_layers.cpp), the same operators in the
+    same order as fused_decode's loop, on the projection kernel named by ``linear`` (a
+    :class:`Projections`' ``op``); None where it does not serve."""
+    if device.type != "cpu" or not load():
+        return None
+    return torch.ops.oolong.decode_layers
+
+
 def amx_linear(device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
     """``op(x [M, K] bf16, packed, other [M, N] | None, epilogue) -> [M, N]`` on weights packed
     by ``torch.ops.oolong.amx_pack`` (kernels/amx_linear.cpp): epilogue "none", "add" (other
@@ -252,6 +264,7 @@ class Projections:
     name: str  # "amx", "avx512" (bf16 widened, or fp32), "avx512-pairs" (bf16 by vdpbf16ps), "avx2"
     pack: Callable[[torch.Tensor], torch.Tensor]
     linear: Callable[..., torch.Tensor]
+    op: str  # linear's operator in torch.ops.oolong (what decode_layers calls), e.g. "amx_linear"
     min_rows: int = 1
     measure: bool = False
     won: frozenset[int] | None = None  # CALIBRATION_ROWS it was faster at; None: not measured
@@ -281,15 +294,15 @@ def projections(device: torch.device, dtype: torch.dtype) -> Projections | None:
     oneDNN's), measured likewise (OOLONG_AVX2_LINEAR=1: at every batch; 0: never)."""
     amx = amx_linear(device, dtype)
     if amx is not None:
-        return Projections("amx", torch.ops.oolong.amx_pack, amx, min_rows=AMX_MIN_ROWS)
+        return Projections("amx", torch.ops.oolong.amx_pack, amx, "amx_linear", min_rows=AMX_MIN_ROWS)
     avx512 = avx512_linear(device, dtype)
     if avx512 is not None:
         pairs = dtype == torch.bfloat16 and torch.ops.oolong.avx512_dot_pairs_faster()
         return Projections("avx512-pairs" if pairs else "avx512", partial(_avx512_pack, pairs=pairs),
-                           avx512, measure=os.environ.get(AVX512_LINEAR_ENV) != "1")
+                           avx512, "avx512_linear", measure=os.environ.get(AVX512_LINEAR_ENV) != "1")
     avx2 = avx2_linear(device, dtype)
     if avx2 is not None and not torch.ops.oolong.avx512_linear_available():
-        return Projections("avx2", partial(_avx512_pack, pairs=False), avx2,
+        return Projections("avx2", partial(_avx512_pack, pairs=False), avx2, "avx2_linear",
                            measure=os.environ.get(AVX2_LINEAR_ENV) != "1")
     return None
 

@@ -109,6 +109,12 @@ class FusedDecoder:
             self._proj = None
         self._proj_layers: list[tuple[torch.Tensor, ...]] = []
         self._proj_head: torch.Tensor | None = None
+        # The layers in one call where the kernels make the whole step (decode_layers.cpp): its
+        # lists of norm weights and packed projections, rebuilt by refresh()
+        self._layers_op = (cpu_kernels.decode_layers(first.device)
+                           if self._attend is not None and self._rms_norm is not None
+                           and _one_eps(model) else None)
+        self._layer_args: tuple[list[torch.Tensor], ...] = ()
         self.refresh()
         if self._proj is not None and self._proj.measure:
             kernel = self._proj.linear
@@ -140,6 +146,10 @@ class FusedDecoder:
                 for layer, qkv in zip(layers, qkvs, strict=True)]
             head = self.model.lm_head
             self._proj_head = pack(head.weight.detach()) if _kernel_head_fits(head) else None
+        self._layer_args = (
+            [layer.input_layernorm.weight.detach() for layer in layers],
+            [layer.post_attention_layernorm.weight.detach() for layer in layers],
+            *(list(kind) for kind in zip(*self._proj_layers, strict=True)))
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
@@ -159,6 +169,14 @@ class FusedDecoder:
             bias.masked_fill_(~mask.view(b, -1), float("-inf"))
             cos32, sin32 = cos.reshape(b, dim).float(), sin.reshape(b, dim).float()
         proj = self._proj.linear if self._proj is not None and self._proj.serves(b) else None
+        if proj is not None and self._layers_op is not None:  # the same loop, in C++
+            norms, post_norms, qkv, o, gate_up, down = self._layer_args
+            key_blocks, values, column = slots.decode_stacks()
+            layer = inner.layers[0]
+            h = self._layers_op(h, norms, post_norms, layer.input_layernorm.variance_epsilon, qkv, o,
+                                gate_up, down, self._proj.op, cos32, sin32, key_blocks, values,
+                                bias, column, layer.self_attn.scaling, heads, kv)
+            return self._head(self._norm(h, inner.norm), proj)
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
             x = self._norm(h, layer.input_layernorm)
@@ -273,6 +291,15 @@ class FusedDecoder:
             return self._rms_norm(h, norm.weight, norm.variance_epsilon)
         normed = torch.rms_norm(h.float(), (self.hidden,), None, norm.variance_epsilon)
         return norm.weight * normed.to(h.dtype)
+
+
+def _one_eps(model: nn.Module) -> bool:
+    """Every layer's norms with one epsilon and every attention with one scaling: what
+    decode_layers takes once for all of them."""
+    layers = model.model.layers
+    eps = {n.variance_epsilon for layer in layers
+           for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+    return len(eps) == 1 and len({layer.self_attn.scaling for layer in layers}) == 1
 
 
 def _qkv(layer: nn.Module) -> torch.Tensor:

@@ -126,6 +126,14 @@ class SlotCache:
         n = self.size
         return self.keys.blocks[layer_idx, :n], self.values[layer_idx, :n], self.hi
 
+    def decode_stacks(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Every layer's :meth:`decode_buffers` at once: key blocks [layers, size, Hkv, L /
+        KEY_BLOCK, D, KEY_BLOCK], values [layers, size, Hkv, L, D] and the column (for
+        cpu_kernels' decode_layers, which selects the layer itself)."""
+        assert isinstance(self.keys, BlockedKeys), "a kernel's buffers: SlotCache(..., keys_blocked=True)"
+        n = self.size
+        return self.keys.blocks[:, :n], self.values[:, :n], self.hi
+
     # ---- the engine's side ---------------------------------------------------------------------
 
     def decode_mask(self) -> torch.Tensor:
