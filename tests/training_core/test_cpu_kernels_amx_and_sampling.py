@@ -130,12 +130,14 @@ def test_avx512_projections_round_the_exact_product_once_with_their_epilogues(ro
     """Both bf16 layouts, whichever this CPU is given (the widened values' fp32 multiply-adds, or
     vdpbf16ps on pairs of k): the products are exact, the sums fp32, the result rounded once."""
     g = torch.Generator().manual_seed(rows)
-    # K 200: widened, a chunk of 128 k and a shorter one; in pairs, 64 pairs and 36; N 96: three panels
-    w = (torch.randn(96, 200, generator=g) * 0.1).bfloat16()
-    x = torch.randn(rows, 200, generator=g).bfloat16()
+    # a chunk of K and a shorter one: widened K 200 (128 k and 72), in pairs K 1,100 (512 pairs and
+    # 38); N 96: three panels
+    k = 1100 if pairs else 200
+    w = (torch.randn(96, k, generator=g) * 0.1).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
     residual = torch.randn(rows, 96, generator=g).bfloat16()
     packed = torch.ops.oolong.avx512_pack(w, pairs)
-    assert packed.shape == ((3, 100, 64) if pairs else (3, 200, 32))
+    assert packed.shape == ((3, k // 2, 64) if pairs else (3, k, 32))
     exact = x.double() @ w.double().T  # bf16 products are exact in fp32; fp32 sums, one rounding
 
     plain = AVX512(x, packed, None, "none")

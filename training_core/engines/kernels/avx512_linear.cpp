@@ -48,6 +48,7 @@ struct Widened {
   using X = float;
   using Out = uint16_t;
   static constexpr int64_t kStepBytes = 64;
+  static constexpr int64_t kChunkBytes = 8192;  // see linear()
   static void load(const W* panel, int64_t s, __m512& lo, __m512& hi) {
     const __m512i w = _mm512_loadu_si512(panel + s * COLS);
     lo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -61,6 +62,11 @@ struct Pairs {
   using X = uint32_t;
   using Out = uint16_t;
   static constexpr int64_t kStepBytes = 128;
+  // AMD's (the CPUs that take pairs) read a pass's panel from L2 at the rate it is multiplied:
+  // on a Zen 5 EPYC SmolLM2's projections at 64 rows took 14.3-14.6 ms in chunks of 64 KB (the
+  // whole panel for K up to 1,024) against 16.3-16.8 in chunks of 8 KB, which store and reload
+  // the partial sums 4.5 times as often for K = 576 (16 rows: the same)
+  static constexpr int64_t kChunkBytes = 65536;
   static void load(const W* panel, int64_t s, __m512& lo, __m512& hi) {
     lo = _mm512_castsi512_ps(_mm512_loadu_si512(panel + s * 2 * COLS));
     hi = _mm512_castsi512_ps(_mm512_loadu_si512(panel + s * 2 * COLS + COLS));
@@ -75,6 +81,7 @@ struct Fp32 {
   using X = float;
   using Out = float;
   static constexpr int64_t kStepBytes = 128;
+  static constexpr int64_t kChunkBytes = 8192;
   static void load(const W* panel, int64_t s, __m512& lo, __m512& hi) {
     lo = _mm512_loadu_ps(panel + s * COLS);
     hi = _mm512_loadu_ps(panel + s * COLS + 16);
@@ -82,10 +89,10 @@ struct Fp32 {
   static __m512 madd(X a, __m512 w, __m512 acc) { return _mm512_fmadd_ps(_mm512_set1_ps(a), w, acc); }
 };
 
-// steps per chunk of a panel: 8 KB of it (widened bf16 128 k, pairs 64 pairs, fp32 64 k)
+// steps per chunk of a panel: kChunkBytes of it (widened bf16 128 k, pairs 512 pairs, fp32 64 k)
 template <typename L>
 constexpr int64_t depth() {
-  return 8192 / L::kStepBytes;
+  return L::kChunkBytes / L::kStepBytes;
 }
 
 // R rows of x (``steps`` X per row) against one panel over steps [s0, s1): the sums so far come
@@ -150,8 +157,9 @@ void linear(const typename L::X* x, const typename L::W* w, typename L::Out* out
   const int64_t passes = (M + MAX_ROWS - 1) / MAX_ROWS;
   const int64_t panel_size = steps * L::kStepBytes / static_cast<int64_t>(sizeof(typename L::W));
   // K in chunks, every pass of rows over a chunk before the next: the chunk of the panel
-  // (8 KB) and the pass's rows of x stay in L1. Over all of K at once, a pass read x's rows and
-  // the panel (36-96 KB for SmolLM2 in bf16) from L2: 185 against 230+ GFLOPS at 64 rows.
+  // (8 KB widened or fp32; pairs in 64 KB, see Pairs) and the pass's rows of x stay in L1. On
+  // a Xeon, widened, over all of K at once a pass read x's rows and the panel (36-96 KB for
+  // SmolLM2 in bf16) from L2: 185 against 230+ GFLOPS at 64 rows.
   at::parallel_for(0, N / COLS, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> partial(M * COLS);
     for (int64_t p = begin; p < end; ++p) {
