@@ -401,3 +401,33 @@ def test_measured_keeps_the_batch_sizes_where_the_kernel_was_faster(monkeypatch)
     assert cpu_kernels.measured(offered, step(lambda rows: 0.02), onednn) is None
     near_tie = step(lambda rows: 0.010 * (cpu_kernels.WIN_MARGIN + 0.01))
     assert cpu_kernels.measured(offered, near_tie, onednn) is None
+
+
+def test_prefill_attention_by_blocks_of_queries_is_attention_over_the_whole_row():
+    """The fused prefill's attention (fused_decode._attention_blocks): each block of queries over
+    only the columns it attends gives what SDPA gives over the whole forest row, for every real
+    node, in far fewer columns (a forest of prompts sharing a prefix, rows of many branches)."""
+    from training_core.engines.fused_decode import PREFILL_QUERY_BLOCK, _attention_blocks
+    from training_core.engines.prefix_tree import prefill_forest
+
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(3, 90, (20,), generator=g).tolist()
+    seqs = [shared + torch.randint(3, 90, (int(n),), generator=g).tolist()
+            for n in torch.randint(4, 30, (40,), generator=g)]
+    forest = prefill_forest(seqs, 200)
+    mask = forest.allowed
+    rows, _, width, _ = mask.shape
+    assert width > 2 * PREFILL_QUERY_BLOCK
+    q = torch.randn(rows, 6, width, 16, generator=g)
+    k, v = torch.randn(rows, 2, width, 16, generator=g), torch.randn(rows, 2, width, 16, generator=g)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    whole = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+    blocks = _attention_blocks(mask)
+    by_blocks = torch.cat([sdpa(q[:, :, start: start + m.shape[2]], k.index_select(2, cols),
+                                v.index_select(2, cols), attn_mask=m, enable_gqa=True)
+                           for start, cols, m in blocks], 2)
+    real = mask.any(-1).view(rows, 1, width)  # a node attends itself; padding attends nothing
+    torch.testing.assert_close(by_blocks[real.expand(-1, 6, -1)], whole[real.expand(-1, 6, -1)],
+                               atol=1e-6, rtol=1e-5)
+    read = sum(m.shape[2] * m.shape[3] for _, _, m in blocks)
+    assert read < 0.6 * width * width, (read, width)

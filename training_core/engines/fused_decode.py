@@ -207,7 +207,8 @@ class FusedDecoder:
 
         The projections are oneDNN's with the decode step's fused epilogues (at prefill sizes the
         AMX kernel's 32-row passes lost to oneDNN's blocking), the norm cpu_kernels'; attention is
-        SDPA's. Against transformers' bf16 forward on SmolLM2 (64 prompts, 1,512 nodes): 10-16%
+        SDPA's, by blocks of queries over the columns they attend (:func:`_attention_blocks`).
+        Against transformers' bf16 forward on SmolLM2 (64 prompts, 1,512 nodes): 10-16%
         less time, and logits nearer the fp32 model's (mean KL 0.003 against 0.026): the residual
         adds round once, in fp32. The first token then comes from the arithmetic of the ones after
         it."""
@@ -222,6 +223,7 @@ class FusedDecoder:
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # rotate_half's sign
         cos, sin = cos.reshape(n, 1, dim), sin.reshape(n, 1, dim)
         layers_kv = []
+        blocks = _attention_blocks(mask)
         for i, layer in enumerate(inner.layers):
             qkv = self._qkv_proj(i, self._norm(h, layer.input_layernorm), None).view(n, heads + 2 * kv, dim)
             qk = qkv[:, : heads + kv]
@@ -231,9 +233,10 @@ class FusedDecoder:
             # forest's columns are gathered (4.5x the keys and values for SmolLM2's 9/3 heads)
             keys = qk[:, heads:].contiguous().view(rows, cols, kv, dim).transpose(1, 2)
             values = qkv[:, heads + kv:].contiguous().view(rows, cols, kv, dim).transpose(1, 2)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=layer.self_attn.scaling,
-                enable_gqa=kv != heads)
+            out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, start: start + block.shape[2]], keys.index_select(2, cols),
+                values.index_select(2, cols), attn_mask=block, scale=layer.self_attn.scaling,
+                enable_gqa=kv != heads) for start, cols, block in blocks], 2)
             h = self._o_proj(i, out.transpose(1, 2).reshape(n, heads * dim), h, None)
             h = self._mlp(i, self._norm(h, layer.post_attention_layernorm), h, None)
             layers_kv.append((keys, values))
@@ -291,6 +294,26 @@ class FusedDecoder:
             return self._rms_norm(h, norm.weight, norm.variance_epsilon)
         normed = torch.rms_norm(h.float(), (self.hidden,), None, norm.variance_epsilon)
         return norm.weight * normed.to(h.dtype)
+
+
+PREFILL_QUERY_BLOCK = 32
+
+
+def _attention_blocks(mask: torch.Tensor, size: int = PREFILL_QUERY_BLOCK
+                      ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """A prefill forest's attention in blocks of ``size`` queries, each over only the columns some
+    query of the block attends in some row: (first query, those columns, the mask [R, 1, size,
+    columns]). A node attends its ancestors alone, so a forest row's mask is an eighth full (64
+    prompts of SmolLM2's chat template, rows of 252 nodes); SDPA's flash kernel computes every
+    column it is given, masked or not, and a block reads the shared prefix and its own branches
+    (65-80 of 252 columns): a layer's attention 6.7 -> 2.9 ms, the same up to the order of
+    flash attention's sums (one bf16 step)."""
+    out = []
+    for start in range(0, mask.shape[2], size):
+        rows = mask[:, :, start: start + size]
+        cols = rows.any(dim=(0, 1, 2)).nonzero().flatten()
+        out.append((start, cols, rows.index_select(3, cols)))
+    return out
 
 
 def _one_eps(model: nn.Module) -> bool:
