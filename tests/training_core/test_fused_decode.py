@@ -237,10 +237,11 @@ def test_kernel_projections_decode_as_well_as_onednns_and_follow_a_weight_update
 
 
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
-def test_the_layers_in_one_call_are_the_python_loop_bit_for_bit(model, tiny_model_dir, request,
-                                                                   monkeypatch):
+@pytest.mark.parametrize("precision", ["packed", "float32"])
+def test_the_layers_in_one_call_are_the_python_loop_bit_for_bit(model, precision, tiny_model_dir,
+                                                                   request, monkeypatch):
     """Where the kernels make the whole step, the decoder runs its layers in one call
-    (cpu_kernels.decode_layers): the same operators in the same order as its loop in Python, so
+    (cpu_kernels.decode_layers), in bf16 (where oneDNN packs it) and in fp32: the same operators in the same order as its loop in Python, so
     the same logits and the same keys and values in the cache, bit for bit, over three steps (the
     cache's column moving), before and after new weights (the call's lists follow them)."""
     from training_core.engines import cpu_kernels, fused_decode
@@ -249,9 +250,9 @@ def test_the_layers_in_one_call_are_the_python_loop_bit_for_bit(model, tiny_mode
 
     monkeypatch.setenv(cpu_kernels.AVX512_LINEAR_ENV, "1")
     monkeypatch.setenv(cpu_kernels.AVX2_LINEAR_ENV, "1")
-    low = _packed_dtype()
+    low = _packed_dtype() if precision == "packed" else "float32"
     if cpu_kernels.projections(torch.device("cpu"), getattr(torch, low)) is None:
-        pytest.skip("no projection kernel for this CPU (AMX-BF16, AVX-512 with BF16 or AVX2)")
+        pytest.skip(f"no {low} projection kernel for this CPU (AMX-BF16, AVX-512 or AVX2)")
     model_dir = tiny_model_dir if model == "tiny" else request.getfixturevalue("smollm2_dir")
     lm = load_model(model_dir, low).eval()
     pack_linears(lm)
