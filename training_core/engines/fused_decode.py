@@ -231,13 +231,17 @@ class FusedDecoder:
             q = qk[:, :heads].view(rows, cols, heads, dim).transpose(1, 2)
             # copies: views would keep every layer's whole q/k/v buffers alive until the
             # forest's columns are gathered (4.5x the keys and values for SmolLM2's 9/3 heads)
-            keys = qk[:, heads:].contiguous().view(rows, cols, kv, dim).transpose(1, 2)
-            values = qkv[:, heads + kv:].contiguous().view(rows, cols, kv, dim).transpose(1, 2)
+            by_node = (qk[:, heads:].contiguous().view(rows, cols, kv, dim),
+                       qkv[:, heads + kv:].contiguous().view(rows, cols, kv, dim))
+            # a block's columns gathered as whole nodes (runs of kv * dim), its output put
+            # back node by node: [R, C, H, D] is the o projection's input as it stands
             out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-                q[:, :, start: start + block.shape[2]], keys.index_select(2, cols),
-                values.index_select(2, cols), attn_mask=block, scale=layer.self_attn.scaling,
-                enable_gqa=kv != heads) for start, cols, block in blocks], 2)
-            h = self._o_proj(i, out.transpose(1, 2).reshape(n, heads * dim), h, None)
+                q[:, :, start: start + block.shape[2]],
+                *(t.index_select(1, cols).transpose(1, 2) for t in by_node), attn_mask=block,
+                scale=layer.self_attn.scaling, enable_gqa=kv != heads).transpose(1, 2)
+                for start, cols, block in blocks], 1)
+            keys, values = (t.transpose(1, 2) for t in by_node)
+            h = self._o_proj(i, out.view(n, heads * dim), h, None)
             h = self._mlp(i, self._norm(h, layer.post_attention_layernorm), h, None)
             layers_kv.append((keys, values))
         last = h.view(rows, cols, self.hidden)[:, keep].reshape(-1, self.hidden)
