@@ -1,8 +1,9 @@
 """The embedded engine's own CPU kernels (``kernels/*.cpp``), built for this machine on first use:
 decode attention (with the rotary embedding and the cache write folded in), RMSNorm, sampling
-(``decode_step.cpp``), and the projections of a decode step: bf16 on CPUs with AMX
+(``decode_step.cpp``), the projections of a decode step: bf16 on CPUs with AMX
 (``amx_linear.cpp``), else bf16 or fp32 on AVX-512 ones (``avx512_linear.cpp``), else on AVX2
-ones (``avx2_linear.cpp``); see fused_decode.py.
+ones (``avx2_linear.cpp``), and a step's layers in one call over them (``decode_layers.cpp``);
+see fused_decode.py.
 
 Decode attention at a small batch is a poor fit for torch's CPU kernels: each (row, key head)
 is a [group, D] x [D, L] product, tiny for oneDNN's batched matmul, and the keys and values

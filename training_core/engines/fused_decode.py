@@ -41,6 +41,11 @@ CPU and the batch, so the decoder times both on its own weights when it is made
 calibration batch size, about a second for SmolLM2) and decodes on the kernel only at the batch
 sizes where it took under 95% of oneDNN's time.
 
+Where the kernels make the whole step (attention, RMSNorm, and a projection kernel that serves
+the batch), the layers run in one C++ call (cpu_kernels.decode_layers, kernels/decode_layers.cpp):
+the same calls in the same order as the loop in :meth:`FusedDecoder.__call__`, bit for bit,
+without 210 calls a step from Python (SmolLM2 at 64 rows on a Zen 5 EPYC: 30.0 -> 28.5 ms).
+
 Prefill (several tokens per row) runs the same fused layers (:meth:`FusedDecoder.prefill`: oneDNN's
 projections with these epilogues, SDPA's attention over the prefix forest), so a sequence's first
 token comes from the arithmetic of the ones after it. Every model this does not describe exactly
