@@ -173,6 +173,8 @@ def test_projection_kernels_refuse_what_they_cannot_compute_and_say_why(name):
         op(x, packed, torch.zeros(4, 32, dtype=torch.bfloat16), "add")
     with pytest.raises(RuntimeError, match="bfloat16"):
         op(x.float(), packed, None, "none")
+    with pytest.raises(RuntimeError, match="K > 0"):  # an empty product, not uninitialised memory
+        op(x[:, :0], pack(torch.zeros(64, 0, dtype=torch.bfloat16)), torch.zeros(4, 64, dtype=torch.bfloat16), "add")
     if name == "avx512":  # vdpbf16ps's pairs of k: an even K, bf16
         with pytest.raises(RuntimeError, match="K must be even, got 63"):
             pack(torch.zeros(64, 63, dtype=torch.bfloat16), True)

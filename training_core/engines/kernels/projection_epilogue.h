@@ -26,6 +26,8 @@ inline Epilogue checked_epilogue(const at::Tensor& x, int64_t N,
                                  at::ScalarType dtype = at::kBFloat16) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype && x.device().is_cpu(),
               "x: [M, K] ", dtype == at::kBFloat16 ? "bfloat16" : "float32", " on CPU");
+  // the kernels' sums start from the first k: with none, the output would be the memory's
+  TORCH_CHECK(x.size(1) > 0, "x: [M, K] with K > 0, got K = 0");
   const std::string mode(epilogue);
   TORCH_CHECK(mode == "none" || mode == "add" || mode == "silu_mul",
               "epilogue must be none, add or silu_mul, got ", mode);
