@@ -144,6 +144,35 @@ def test_a_forest_prefill_shares_prefixes_and_splits_rows_and_matches_full_forwa
                                    msg=lambda m, step=step: f"decode step {step}: {m}")
 
 
+def test_a_forest_row_wider_than_a_block_of_queries_prefills_as_full_forwards(tiny_model_dir):
+    """The fused prefill's attention by blocks of queries (fused_decode._attention_blocks) on a
+    forest row several blocks wide: sixteen answers to one prompt, each its own branch. Its
+    logits are transformers' full forwards', and so are the decode steps after it (the keys and
+    values it gathered back into the cache)."""
+    from training_core.engines import fused_decode
+
+    if not cpu_kernels.load():
+        pytest.skip("no C++ toolchain to build cpu_kernels with")
+    model = load_model(tiny_model_dir).eval()
+    pack_linears(model)
+    model.config._attn_implementation = ATTENTION
+    reference = load_model(tiny_model_dir).eval()
+    g = torch.Generator().manual_seed(3)
+    prompt = [5, 9, 13, 7, 21, 4, 8]
+    seqs = [prompt + torch.randint(3, 60, (int(n),), generator=g).tolist()
+            for n in torch.randint(3, 9, (16,), generator=g)]
+    forest = slot_cache.prefill_forest(seqs, slot_cache.PREFILL_ROW_NODES)
+    assert forest.input_ids.shape[0] == 1, "one row"
+    assert forest.input_ids.shape[1] > 2 * fused_decode.PREFILL_QUERY_BLOCK, "several blocks"
+    batch = Batch(model, kernel=True)
+    torch.testing.assert_close(batch.join([list(q) for q in seqs]), _reference(reference, seqs),
+                               atol=1e-4, rtol=1e-4)
+    for step in range(3):
+        logits = batch.decode([3 + step] * len(seqs))
+        torch.testing.assert_close(logits, _reference(reference, batch.rows), atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, step=step: f"decode step {step}: {m}")
+
+
 def test_the_kernels_buffers_grow_by_half_and_serve_the_next_batch(monkeypatch):
     """cpu_kernels' attention reads a row's attended columns only, so its buffers grow by half
     what is needed (each reallocation pages in and copies the whole cache: 176 ms for SmolLM2

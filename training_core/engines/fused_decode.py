@@ -126,7 +126,7 @@ class FusedDecoder:
             self._proj = cpu_kernels.measured(self._proj, lambda rows: self._projections(rows, kernel),
                                               lambda rows: self._projections(rows, None))
             if self._proj is None:  # no copy of the weights kept for a kernel that never runs
-                self._proj_layers, self._proj_head = [], None
+                self._proj_layers, self._proj_head, self._layer_args = [], None, ()
         log.info("decode projections: %s", "oneDNN's" if self._proj is None else self._proj.describe())
 
     @property
@@ -154,7 +154,8 @@ class FusedDecoder:
         self._layer_args = (
             [layer.input_layernorm.weight.detach() for layer in layers],
             [layer.post_attention_layernorm.weight.detach() for layer in layers],
-            *(list(kind) for kind in zip(*self._proj_layers, strict=True)))
+            *(list(kind) for kind in zip(*self._proj_layers, strict=True))
+        ) if self._proj is not None and self._layers_op is not None else ()
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
@@ -213,9 +214,9 @@ class FusedDecoder:
         The projections are oneDNN's with the decode step's fused epilogues (at prefill sizes the
         AMX kernel's 32-row passes lost to oneDNN's blocking), the norm cpu_kernels'; attention is
         SDPA's, by blocks of queries over the columns they attend (:func:`_attention_blocks`).
-        Against transformers' bf16 forward on SmolLM2 (64 prompts, 1,512 nodes): 10-16%
-        less time, and logits nearer the fp32 model's (mean KL 0.003 against 0.026): the residual
-        adds round once, in fp32. The first token then comes from the arithmetic of the ones after
+        Against transformers' bf16 forward on SmolLM2 (64 prompts, 1,512 nodes; an AMX Xeon,
+        before the blocks): 10-16% less time, and logits nearer the fp32 model's (mean KL 0.003
+        against 0.026): the residual adds round once, in fp32. The first token then comes from the arithmetic of the ones after
         it."""
         if not isinstance(mask, torch.Tensor):  # a sliding window's dict: supports() excludes it
             raise TypeError("prefill takes a prepared [R, 1, C, C] boolean mask")
@@ -308,7 +309,7 @@ class FusedDecoder:
 PREFILL_QUERY_BLOCK = 32
 
 
-def _attention_blocks(mask: torch.Tensor, size: int = PREFILL_QUERY_BLOCK
+def _attention_blocks(mask: torch.Tensor, size: int | None = None
                       ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     """A prefill forest's attention in blocks of ``size`` queries, each over only the columns some
     query of the block attends in some row: (first query, those columns, the mask [R, 1, size,
@@ -317,6 +318,7 @@ def _attention_blocks(mask: torch.Tensor, size: int = PREFILL_QUERY_BLOCK
     column it is given, masked or not, and a block reads the shared prefix and its own branches
     (65-80 of 252 columns): a layer's attention 6.7 -> 2.9 ms, the same up to the order of
     flash attention's sums (one bf16 step)."""
+    size = size or PREFILL_QUERY_BLOCK
     out = []
     for start in range(0, mask.shape[2], size):
         rows = mask[:, :, start: start + size]

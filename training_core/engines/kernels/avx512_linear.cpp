@@ -65,7 +65,8 @@ struct Pairs {
   // AMD's (the CPUs that take pairs) read a pass's panel from L2 at the rate it is multiplied:
   // on a Zen 5 EPYC SmolLM2's projections at 64 rows took 14.3-14.6 ms in chunks of 64 KB (the
   // whole panel for K up to 1,024) against 16.3-16.8 in chunks of 8 KB, which store and reload
-  // the partial sums 4.5 times as often for K = 576 (16 rows: the same)
+  // the partial sums at four chunk boundaries per panel for K = 576 (16 rows: the same). Not
+  // measured on Zen 4, whose L2 is as large
   static constexpr int64_t kChunkBytes = 65536;
   static void load(const W* panel, int64_t s, __m512& lo, __m512& hi) {
     lo = _mm512_castsi512_ps(_mm512_loadu_si512(panel + s * 2 * COLS));
@@ -156,10 +157,11 @@ void linear(const typename L::X* x, const typename L::W* w, typename L::Out* out
   // passes of at most MAX_ROWS rows, as even as they can be (64 rows: 11, 11, 11, 11, 10, 10)
   const int64_t passes = (M + MAX_ROWS - 1) / MAX_ROWS;
   const int64_t panel_size = steps * L::kStepBytes / static_cast<int64_t>(sizeof(typename L::W));
-  // K in chunks, every pass of rows over a chunk before the next: the chunk of the panel
-  // (8 KB widened or fp32; pairs in 64 KB, see Pairs) and the pass's rows of x stay in L1. On
-  // a Xeon, widened, over all of K at once a pass read x's rows and the panel (36-96 KB for
-  // SmolLM2 in bf16) from L2: 185 against 230+ GFLOPS at 64 rows.
+  // K in chunks, every pass of rows over a chunk before the next: widened or fp32, the chunk of
+  // the panel (8 KB) and the pass's rows of x stay in L1. On a Xeon, widened, over all of K at
+  // once a pass read x's rows and the panel (36-96 KB for SmolLM2 in bf16) from L2: 185 against
+  // 230+ GFLOPS at 64 rows. Pairs take chunks of 64 KB, read from L2 (see Pairs); their
+  // prefetch then runs a chunk ahead, into the thread's next panels (or the other thread's).
   at::parallel_for(0, N / COLS, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> partial(M * COLS);
     for (int64_t p = begin; p < end; ++p) {
