@@ -47,7 +47,8 @@ the same calls in the same order as the loop in :meth:`FusedDecoder.__call__`, b
 without 210 calls a step from Python (SmolLM2 at 64 rows on a Zen 5 EPYC: 30.0 -> 28.5 ms).
 
 Prefill (several tokens per row) runs the same fused layers (:meth:`FusedDecoder.prefill`: oneDNN's
-projections with these epilogues, SDPA's attention over the prefix forest), so a sequence's first
+projections with these epilogues, SDPA's attention over the prefix forest by blocks of queries,
+each over the columns it attends), so a sequence's first
 token comes from the arithmetic of the ones after it. Every model this does not describe exactly
 runs transformers' forward in both (:func:`supports`: Llama's layout, SiLU, no
 biases, no sliding window), and any device without packed weights. The output is transformers'
@@ -216,8 +217,8 @@ class FusedDecoder:
         SDPA's, by blocks of queries over the columns they attend (:func:`_attention_blocks`).
         Against transformers' bf16 forward on SmolLM2 (64 prompts, 1,512 nodes; an AMX Xeon,
         before the blocks): 10-16% less time, and logits nearer the fp32 model's (mean KL 0.003
-        against 0.026): the residual adds round once, in fp32. The first token then comes from the arithmetic of the ones after
-        it."""
+        against 0.026): the residual adds round once, in fp32. The first token then comes from
+        the arithmetic of the ones after it."""
         if not isinstance(mask, torch.Tensor):  # a sliding window's dict: supports() excludes it
             raise TypeError("prefill takes a prepared [R, 1, C, C] boolean mask")
         inner = self.model.model
