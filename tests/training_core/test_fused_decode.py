@@ -350,10 +350,10 @@ def test_a_measured_projection_kernel_decodes_only_at_the_batches_it_won(tiny_mo
     if outcome == "won_none":
         assert dec._proj is None
     if dec._proj is None:
-        assert dec._proj_layers == [] and dec._proj_head is None and dec._layer_args == ()
+        assert dec._proj_layers is None and dec._proj_head is None and dec._norm_weights is None
     else:
         assert not dec._proj.measure and dec._proj.won <= set(cpu_kernels.CALIBRATION_ROWS)
-        assert len(dec._proj_layers) == lm.config.num_hidden_layers
+        assert all(len(kind) == lm.config.num_hidden_layers for kind in dec._proj_layers)
         real_linear, real_layers = dec._proj.linear, dec._layers_op
         if real_layers is not None:  # the layers in one call: the kernel by name, counted here
             dec._layers_op = lambda *a: calls.append(a[0].shape[0]) or real_layers(*a)

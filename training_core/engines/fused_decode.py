@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -113,21 +114,21 @@ class FusedDecoder:
         self._proj = cpu_kernels.projections(first.device, first.dtype)
         if self._proj is not None and not _kernel_fits(model):
             self._proj = None
-        self._proj_layers: list[tuple[torch.Tensor, ...]] = []
+        self._proj_layers: _PackedLayers | None = None
         self._proj_head: torch.Tensor | None = None
-        # The layers in one call where the kernels make the whole step (decode_layers.cpp): its
-        # lists of norm weights and packed projections, rebuilt by refresh()
+        # The layers in one call where the kernels make the whole step (decode_layers.cpp), with
+        # the layers' norm weights (input, post-attention) as refresh() last found them
         self._layers_op = (cpu_kernels.decode_layers(first.device)
                            if self._attend is not None and self._rms_norm is not None
                            and _one_eps(model) else None)
-        self._layer_args: tuple[list[torch.Tensor], ...] = ()
+        self._norm_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.refresh()
         if self._proj is not None and self._proj.measure:
             kernel = self._proj.linear
             self._proj = cpu_kernels.measured(self._proj, lambda rows: self._projections(rows, kernel),
                                               lambda rows: self._projections(rows, None))
             if self._proj is None:  # no copy of the weights kept for a kernel that never runs
-                self._proj_layers, self._proj_head, self._layer_args = [], None, ()
+                self._proj_layers, self._proj_head, self._norm_weights = None, None, None
         log.info("decode projections: %s", "oneDNN's" if self._proj is None else self._proj.describe())
 
     @property
@@ -145,18 +146,18 @@ class FusedDecoder:
         self._qkv = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in qkvs]
         if self._proj is not None:
             pack = self._proj.pack
-            self._proj_layers = [
-                (pack(qkv), pack(layer.self_attn.o_proj.weight.detach()),
-                 pack(_interleave(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)),
-                 pack(layer.mlp.down_proj.weight.detach()))
-                for layer, qkv in zip(layers, qkvs, strict=True)]
+            self._proj_layers = _PackedLayers(
+                [pack(qkv) for qkv in qkvs],
+                [pack(layer.self_attn.o_proj.weight.detach()) for layer in layers],
+                [pack(_interleave(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight))
+                 for layer in layers],
+                [pack(layer.mlp.down_proj.weight.detach()) for layer in layers])
             head = self.model.lm_head
             self._proj_head = pack(head.weight.detach()) if _kernel_head_fits(head) else None
-        self._layer_args = (
+        self._norm_weights = (
             [layer.input_layernorm.weight.detach() for layer in layers],
             [layer.post_attention_layernorm.weight.detach() for layer in layers],
-            *(list(kind) for kind in zip(*self._proj_layers, strict=True))
-        ) if self._proj is not None and self._layers_op is not None else ()
+        ) if self._proj is not None and self._layers_op is not None else None
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
@@ -177,11 +178,11 @@ class FusedDecoder:
             cos32, sin32 = cos.reshape(b, dim).float(), sin.reshape(b, dim).float()
         proj = self._proj.linear if self._proj is not None and self._proj.serves(b) else None
         if proj is not None and self._layers_op is not None:  # the same loop, in C++
-            norms, post_norms, qkv, o, gate_up, down = self._layer_args
+            norms, post_norms = self._norm_weights
             key_blocks, values, column = slots.decode_stacks()
             layer = inner.layers[0]
-            h = self._layers_op(h, norms, post_norms, layer.input_layernorm.variance_epsilon, qkv, o,
-                                gate_up, down, self._proj.op, cos32, sin32, key_blocks, values,
+            h = self._layers_op(h, norms, post_norms, layer.input_layernorm.variance_epsilon,
+                                *self._proj_layers, self._proj.op, cos32, sin32, key_blocks, values,
                                 bias, column, layer.self_attn.scaling, heads, kv)
             return self._head(self._norm(h, inner.norm), proj)
         for i, layer in enumerate(inner.layers):
@@ -259,21 +260,21 @@ class FusedDecoder:
 
     def _qkv_proj(self, i: int, x: torch.Tensor, proj: Callable | None) -> torch.Tensor:
         if proj is not None:
-            return proj(x, self._proj_layers[i][0], None, "none")
+            return proj(x, self._proj_layers.qkv[i], None, "none")
         return _linear(x, self._qkv[i], None, "none", [], "")
 
     def _o_proj(self, i: int, out: torch.Tensor, h: torch.Tensor, proj: Callable | None
                 ) -> torch.Tensor:
         """The attention's output projection with the residual added."""
         if proj is not None:
-            return proj(out, self._proj_layers[i][1], h, "add")
+            return proj(out, self._proj_layers.o[i], h, "add")
         return _linear.binary(out, h, self.model.model.layers[i].self_attn.o_proj._packed, None, "add")
 
     def _mlp(self, i: int, x: torch.Tensor, h: torch.Tensor, proj: Callable | None) -> torch.Tensor:
         """down(SiLU(gate(x)) * up(x)) with the residual added."""
         if proj is not None:
-            _, _, gate_up_w, down_w = self._proj_layers[i]
-            return proj(proj(x, gate_up_w, None, "silu_mul"), down_w, h, "add")
+            packed = self._proj_layers
+            return proj(proj(x, packed.gate_up[i], None, "silu_mul"), packed.down[i], h, "add")
         mlp = self.model.model.layers[i].mlp
         gate = _linear(x, mlp.gate_proj._packed, None, "swish", [], "")
         up = _linear.binary(x, gate, mlp.up_proj._packed, None, "mul")
@@ -310,22 +311,30 @@ class FusedDecoder:
 PREFILL_QUERY_BLOCK = 32
 
 
-def _attention_blocks(mask: torch.Tensor, size: int | None = None
-                      ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """A prefill forest's attention in blocks of ``size`` queries, each over only the columns some
-    query of the block attends in some row: (first query, those columns, the mask [R, 1, size,
-    columns]). A node attends its ancestors alone, so a forest row's mask is an eighth full (64
+def _attention_blocks(mask: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """A prefill forest's attention in blocks of PREFILL_QUERY_BLOCK queries, each over only the
+    columns some query of the block attends in some row: (first query, those columns, the mask
+    [R, 1, block, columns]). A node attends its ancestors alone, so a forest row's mask is an eighth full (64
     prompts of SmolLM2's chat template, rows of 252 nodes); SDPA's flash kernel computes every
     column it is given, masked or not, and a block reads the shared prefix and its own branches
     (65-80 of 252 columns): a layer's attention 6.7 -> 2.9 ms, the same up to the order of
     flash attention's sums (one bf16 step)."""
-    size = size or PREFILL_QUERY_BLOCK
     out = []
-    for start in range(0, mask.shape[2], size):
-        rows = mask[:, :, start: start + size]
+    for start in range(0, mask.shape[2], PREFILL_QUERY_BLOCK):
+        rows = mask[:, :, start: start + PREFILL_QUERY_BLOCK]
         cols = rows.any(dim=(0, 1, 2)).nonzero().flatten()
         out.append((start, cols, rows.index_select(3, cols)))
     return out
+
+
+class _PackedLayers(NamedTuple):
+    """Every layer's projections packed for the decoder's kernel, one list per kind (the order
+    decode_layers takes them in)."""
+
+    qkv: list[torch.Tensor]
+    o: list[torch.Tensor]
+    gate_up: list[torch.Tensor]  # gate and up interleaved (_interleave)
+    down: list[torch.Tensor]
 
 
 def _one_eps(model: nn.Module) -> bool:
