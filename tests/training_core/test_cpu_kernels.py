@@ -168,13 +168,19 @@ def test_a_build_is_kept_per_cpu(monkeypatch):
 def test_a_build_killed_midway_does_not_stop_the_next_one(tmp_path):
     """torch's builder leaves its lock file behind when its process is killed, and the next
     builder would wait on it forever: the engine's own lock makes it safe to remove. (Built in
-    a child process: a second library registering the same operators would abort this one.)"""
+    a child process: a second library registering the same operators would abort this one.) The
+    lock is what is tested, so the build is of one small source, not the kernels (a minute or
+    three of compiling on a 2-core machine)."""
     import os
     import subprocess
     import sys
 
+    small = tmp_path / "small.cpp"
+    small.write_text("extern \"C\" int oolong_small_build() { return 1; }\n")
     env = {**os.environ, "OOLONG_CACHE": str(tmp_path)}
-    code = ("from training_core.engines import cpu_kernels as k; t = k.build_dir(); "
+    code = ("from training_core.engines import cpu_kernels as k; "
+            f"k.SOURCES, k.HEADERS = [__import__('pathlib').Path({str(small)!r})], []; "
+            "t = k.build_dir(); "
             "t.mkdir(parents=True); (t / 'lock').write_text(''); "  # what a killed build leaves
             "k._build(t, t / 'built'); print(t)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
