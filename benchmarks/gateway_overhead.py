@@ -24,7 +24,8 @@ import openai  # noqa: E402
 from tests.training_core.conftest import start_server  # noqa: E402
 from tests.training_core.gateway_harness import GatewayThread  # noqa: E402
 from training_core.api import GenerationRequest, SamplingParams  # noqa: E402
-from training_core.models.loading import load_tokenizer, resolve_model_dir  # noqa: E402
+from training_core.models.loading import load_tokenizer  # noqa: E402
+from training_core.models.paths import resolve_model_dir  # noqa: E402
 
 
 def main() -> None:

@@ -168,7 +168,8 @@ def scan(candidates: list[dict[str, Any]], items: int, max_new_tokens: int,
     from training_core.config import spec_from_dict
     from training_core.data.datasets import load_data
     from training_core.evaluation import CORRECT
-    from training_core.models.loading import load_model, load_tokenizer, resolve_model_dir
+    from training_core.models.loading import load_model, load_tokenizer
+    from training_core.models.paths import resolve_model_dir
     from training_core.rewards.registry import resolve_reward
     from training_core.workflows.base import render_prompt
 

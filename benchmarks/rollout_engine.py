@@ -233,7 +233,8 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
 
     from training_core.launch import start_embedded_fleet
-    from training_core.models.loading import load_model, load_tokenizer, resolve_model_dir
+    from training_core.models.loading import load_model, load_tokenizer
+    from training_core.models.paths import resolve_model_dir
 
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir("smollm2")

@@ -246,7 +246,7 @@ def warm_start(workload: str, seed: int, seconds: float, work: Path) -> Path:
     model starts from its own weights."""
     from transformers.utils import logging as hf_logging
 
-    from training_core.models.loading import spec_model_dir
+    from training_core.models.paths import spec_model_dir
     from training_core.sft import sft
 
     if WORKLOADS[workload].get("model", "tiny") != "tiny":

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from training_core.engines.deepspeed_trainer import DeepSpeedTrainer  # noqa: E402
 from training_core.engines.rollout_client import RolloutClient  # noqa: E402
 from training_core.launch import start_embedded_fleet  # noqa: E402
-from training_core.models.loading import resolve_model_dir  # noqa: E402
+from training_core.models.paths import resolve_model_dir  # noqa: E402
 from training_core.weight_sync import (  # noqa: E402
     DiskSync,
     DistributedSync,

@@ -22,6 +22,9 @@ from training_core.processes import Fleet, ManagedProcess, process_env
 # opens; unset, any free port.
 PORT_RANGE_ENV = "OOLONG_PORT_RANGE"
 SGLANG_PYTHON_ENV = "OOLONG_SGLANG_PYTHON"  # the interpreter of SGLang's own environment
+# A node announces the address other nodes reach it at (set by the node's worker); otherwise the
+# address this machine uses to reach the first server (weight_sync.node_address).
+NODE_ADDRESS_ENV = "OOLONG_NODE_ADDRESS"
 
 
 def free_port() -> int:

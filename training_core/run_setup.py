@@ -36,7 +36,8 @@ from training_core.engines.deepspeed_trainer import (
 from training_core.engines.rollout_client import RolloutClient
 from training_core.launch import start_embedded_fleet
 from training_core.metrics import JsonlSink, MultiSink, truncate_metrics
-from training_core.models.loading import load_tokenizer, run_model_dir
+from training_core.models.loading import load_tokenizer
+from training_core.models.paths import run_model_dir
 from training_core.processes import Fleet
 from training_core.rewards.pool import RewardPool
 from training_core.rollout import RolloutExecutor

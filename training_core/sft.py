@@ -15,7 +15,8 @@ from tqdm import tqdm
 
 from training_core.config import RunSpec
 from training_core.data.datasets import load_data
-from training_core.models.loading import load_model, load_tokenizer, spec_model_dir
+from training_core.models.loading import load_model, load_tokenizer
+from training_core.models.paths import spec_model_dir
 from training_core.optim import adamw
 from training_core.workflows.base import WorkflowContext
 

@@ -50,14 +50,11 @@ from training_core.engines.weight_group import (
     flatten,
     init_weight_update_group,
 )
-from training_core.launch import free_port
+from training_core.launch import NODE_ADDRESS_ENV, free_port
 from training_core.version import PolicyVersion
 
 SPARE = ".spare"  # in weights/: a retired version's folder, to be written over (DiskSync)
 BUCKET_BYTES = 1 << 30  # per /update_weights_from_distributed call: bounds a server's staging
-# A node announces the address other nodes reach it at (set by the node's worker); otherwise the
-# address this machine uses to reach the first server.
-NODE_ADDRESS_ENV = "OOLONG_NODE_ADDRESS"
 
 
 class WeightSync(Protocol):

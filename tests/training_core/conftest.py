@@ -14,7 +14,7 @@ from training_core.processes import Fleet
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """A fresh (untrained) tiny Llama + character tokenizer, built locally and cached."""
-    from training_core.models.loading import resolve_model_dir
+    from training_core.models.paths import resolve_model_dir
 
     return resolve_model_dir("tiny")
 

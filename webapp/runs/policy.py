@@ -11,7 +11,7 @@ from typing import Any
 
 from webapp.core.errors import ApplicationError
 
-REGISTERED_MODELS = ("tiny", "smollm2")  # training_core.models.loading builds these locally
+REGISTERED_MODELS = ("tiny", "smollm2")  # training_core.models.paths builds these locally
 # Fields only an administrator may change from their default.
 ADMIN_FIELDS = ("orchestration.provider", "orchestration.terraform_vars", "rollout.server_urls",
                 "reward.remote_backend", "run_dir")

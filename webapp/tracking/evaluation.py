@@ -21,7 +21,7 @@ def checkpoint_evaluate(*, run_id: int, checkpoint_step: int | None = None, limi
     from training_core.checkpoint import pushed_weights
     from training_core.config import spec_from_dict
     from training_core.evaluation import evaluate_weights
-    from training_core.models.loading import run_model_dir
+    from training_core.models.paths import run_model_dir
 
     run = Run.objects.select_related("dataset_version", "reward_version").get(id=run_id)
     if not run.reward_version.builtin_name:

@@ -35,11 +35,17 @@ from orchestration.launchers import warm_start
 from orchestration.trigger import flow_run_dir
 from training_core.checkpoint_store import STORE_ENV, CheckpointStore
 from training_core.config import RunSpec
-from training_core.launch import free_port, run_env, server_command, server_process, trainer_command
-from training_core.models.loading import run_model_dir
+from training_core.launch import (
+    NODE_ADDRESS_ENV,
+    free_port,
+    run_env,
+    server_command,
+    server_process,
+    trainer_command,
+)
+from training_core.models.paths import run_model_dir
 from training_core.processes import ManagedProcess
 from training_core.remote_run import prepare_remote_run
-from training_core.weight_sync import NODE_ADDRESS_ENV
 
 
 def node_address() -> str:
