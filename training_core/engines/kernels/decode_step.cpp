@@ -185,16 +185,25 @@ struct Ahead {
   }
 };
 
-// 32 columns' scores from load_pairs' order into row[at, at + 32), in order; a masked column
-// scores its bias (-inf) whatever its keys held.
-inline void store_scores(vfloat even, vfloat odd, const float* mask, int64_t at, float* row) {
-  vfloat part[2];
-  interleave(even, odd, part[0], part[1]);
-  for (int64_t i = 0; i < 2; ++i) {
-    const vfloat m = loadv(mask + at + i * LANES);
-    const vfloat masked = m == 0.f ? part[i] : m;
-    std::memcpy(row + at + i * LANES, &masked, sizeof(vfloat));
+// GB heads' scores, V vectors of columns from ``at``, into their rows of ``scores`` (C columns a
+// head), in order; a masked column scores its bias (-inf) whatever its keys held.
+template <int64_t GB, int64_t V>
+inline void store_masked(const vfloat (&acc)[GB][V], const float* mask, int64_t at, float* scores,
+                         int64_t C) {
+  for (int64_t k = 0; k < V; ++k) {
+    const vfloat m = loadv(mask + at + k * LANES);
+    for (int64_t g = 0; g < GB; ++g) {
+      const vfloat masked = m == 0.f ? acc[g][k] : m;
+      std::memcpy(scores + g * C + at + k * LANES, &masked, sizeof(vfloat));
+    }
   }
+}
+
+// 32 columns' scores from load_pairs' order into row[at, at + 32), in order (store_masked's rule)
+inline void store_scores(vfloat even, vfloat odd, const float* mask, int64_t at, float* row) {
+  vfloat part[1][2];
+  interleave(even, odd, part[0][0], part[0][1]);
+  store_masked(part, mask, at, row, 0);
 }
 
 // q [B, H, D]; keys in blocks of BLOCK columns kb [B, KV, C / BLOCK, D, BLOCK] (a block's columns
@@ -335,13 +344,7 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
                 for (int64_t g = 0; g < GB; ++g) acc[g][k] += qq[g * D + d] * keys;
               }
             }
-            for (int64_t k = 0; k < NB; ++k) {
-              const vfloat m = loadv(mask + c0 + k * LANES);
-              for (int64_t g = 0; g < GB; ++g) {
-                const vfloat masked = m == 0.f ? acc[g][k] : m;
-                std::memcpy(sg + g * C + c0 + k * LANES, &masked, sizeof(vfloat));
-              }
-            }
+            store_masked(acc, mask, c0, sg, C);
           }
           // NV vectors at a time (AVX-512: one, the tail after two blocks at a time; AVX2: two or
           // four of a block, GB x NV independent chains of multiply-adds: with one vector its GB
@@ -357,13 +360,7 @@ void attend(const T* q, const T* knew, const T* vnew, const float* cos, const fl
                 for (int64_t g = 0; g < GB; ++g) acc[g][k] += qq[g * D + d] * keys;
               }
             }
-            for (int64_t k = 0; k < NV; ++k) {
-              const vfloat m = loadv(mask + c0 + k * LANES);
-              for (int64_t g = 0; g < GB; ++g) {
-                const vfloat masked = m == 0.f ? acc[g][k] : m;
-                std::memcpy(sg + g * C + c0 + k * LANES, &masked, sizeof(vfloat));
-              }
-            }
+            store_masked(acc, mask, c0, sg, C);
           }
         }
         float inv[GB];
