@@ -209,8 +209,24 @@ def cpu_identity() -> dict:
     from training_core.engines.cpu_kernels import cpu_info
 
     model, flags = cpu_info()
-    return {"cpu_model": model,
+    return {"cpu_model": model, "cpu_family_model": _family_model(),
             "bf16_instructions": sorted(f for f in flags if f in ("amx_bf16", "avx512_bf16"))}
+
+
+def _family_model() -> str | None:
+    """"family/model" from /proc/cpuinfo (AMD's 25/1 is Zen 3, 25/17 Zen 4, 26/x Zen 5): a VM may
+    name every EPYC "AMD EPYC", and the generations differ by 2x in bf16."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("cpu family", "model") and key.strip() not in fields:
+                fields[key.strip()] = value.strip()
+            if not line.strip():
+                break
+    except OSError:
+        return None
+    return f"{fields['cpu family']}/{fields['model']}" if len(fields) == 2 else None
 
 
 # ---- main ---------------------------------------------------------------------------------------
