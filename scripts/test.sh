@@ -43,12 +43,13 @@ fi
 # integration tests: Celery, Prefect, multinode; they find a run's processes by its id, so they
 # stay in one lane) and the engine lane (models, servers, trainers, jails, security, the rest).
 # Much of the platform lane is waiting on processes and I/O. OOLONG_TEST_LANES=1: one lane.
+# OOLONG_TEST_DURATIONS=N: each lane lists its N slowest tests (25; 0: every test).
 lane() {  # lane NAME DATABASE_URL BROKER_URL TEST_REDIS_URL PYTEST_ARGS...
   local name=$1 db=$2 broker=$3 redis=$4
   shift 4
   DATABASE_URL=$db CELERY_BROKER_URL=$broker OOLONG_TEST_REDIS=$redis \
   PREFECT_HOME=$PWD/.cache/prefect-$name \
-    .venv/bin/python -m pytest -p no:cacheprovider --durations=25 --basetemp="/tmp/oolong-tests-$name" "$@" \
+    .venv/bin/python -m pytest -p no:cacheprovider --durations=${OOLONG_TEST_DURATIONS:-25} --basetemp="/tmp/oolong-tests-$name" "$@" \
     > "test-artifacts/lane-$name.log" 2>&1
 }
 PLATFORM=(tests/webapp tests/integration)
