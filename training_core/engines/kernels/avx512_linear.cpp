@@ -65,8 +65,9 @@ struct Pairs {
   // AMD's (the CPUs that take pairs) read a pass's panel from L2 at the rate it is multiplied:
   // on a Zen 5 EPYC SmolLM2's projections at 64 rows took 14.3-14.6 ms in chunks of 64 KB (the
   // whole panel for K up to 1,024) against 16.3-16.8 in chunks of 8 KB, which store and reload
-  // the partial sums at four chunk boundaries per panel for K = 576 (16 rows: the same). Not
-  // measured on Zen 4, whose L2 is as large
+  // the partial sums at four chunk boundaries per panel for K = 576 (16 rows: the same). On a
+  // Zen 4 EPYC (half Zen 5's bf16 rate, the same 1 MB L2), with lm_head: 44.9-51.5 ms against
+  // 54.4-55.2 at 64 rows, 17.0-17.7 against 18.5-20.8 at 16 (docs/rollout-engine-and-precision.md)
   static constexpr int64_t kChunkBytes = 65536;
   static void load(const W* panel, int64_t s, __m512& lo, __m512& hi) {
     lo = _mm512_castsi512_ps(_mm512_loadu_si512(panel + s * 2 * COLS));
