@@ -206,27 +206,16 @@ def report(measured: dict[str, dict[int, dict]], config: dict, machine: dict,
 def cpu_identity() -> dict:
     """The CPU's model and its bf16 instructions: the aim of 2,000 tok/s was set on a CPU with
     AMX (a bf16 matmul ~7x fp32); with AVX512-BF16 alone it is ~2x, and the bound says so."""
-    from training_core.engines.cpu_kernels import cpu_info
+    from training_core.engines.cpu_kernels import cpu_fields, cpu_info
 
     model, flags = cpu_info()
-    return {"cpu_model": model, "cpu_family_model": _family_model(),
+    fields = cpu_fields()
+    # a VM may name every EPYC "AMD EPYC"; AMD's 25/1 is Zen 3, 25/17 Zen 4, 26/x Zen 5, and their
+    # bf16 rates differ by 2x or more
+    family = (f"{fields['cpu family']}/{fields['model']}"
+              if "cpu family" in fields and "model" in fields else None)
+    return {"cpu_model": model, "cpu_family_model": family,
             "bf16_instructions": sorted(f for f in flags if f in ("amx_bf16", "avx512_bf16"))}
-
-
-def _family_model() -> str | None:
-    """"family/model" from /proc/cpuinfo (AMD's 25/1 is Zen 3, 25/17 Zen 4, 26/x Zen 5): a VM may
-    name every EPYC "AMD EPYC", and the generations differ by 2x in bf16."""
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("cpu family", "model") and key.strip() not in fields:
-                fields[key.strip()] = value.strip()
-            if not line.strip():
-                break
-    except OSError:
-        return None
-    return f"{fields['cpu family']}/{fields['model']}" if len(fields) == 2 else None
 
 
 # ---- main ---------------------------------------------------------------------------------------

@@ -63,21 +63,26 @@ _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 
 
+def cpu_fields() -> dict[str, str]:
+    """The first processor's fields in ``/proc/cpuinfo`` ("model name", "cpu family", "model",
+    "flags", ...); empty where there is none."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():  # the end of the first processor's block
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return fields
+
+
 def cpu_info() -> tuple[str, frozenset[str]]:
     """This CPU's model name and feature flags (``/proc/cpuinfo``; elsewhere "unknown" and
     none)."""
-    model, flags = "unknown", frozenset()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = frozenset(value.split())
-                break
-    except OSError:
-        pass
-    return model, flags
+    fields = cpu_fields()
+    return fields.get("model name", "unknown"), frozenset(fields.get("flags", "").split())
 
 
 def _cpu_flags() -> str:
