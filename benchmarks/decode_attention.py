@@ -73,7 +73,7 @@ class Step:
 
 
 def kernel_ms(step: Step) -> float:
-    from training_core.engines import cpu_kernels
+    from training_core.rollout_server import cpu_kernels
 
     op = cpu_kernels.decode_attention(DIM, torch.device("cpu"))
     start = time.perf_counter()
@@ -135,7 +135,7 @@ def main() -> int:
     args = parser.parse_args()
     rounds = args.rounds or (5 if args.quick else 21)
 
-    from training_core.engines import cpu_kernels
+    from training_core.rollout_server import cpu_kernels
 
     if cpu_kernels.decode_attention(DIM, torch.device("cpu")) is None:
         print("the engine's CPU kernels are unavailable here (no C++ toolchain, or OOLONG_CPU_KERNELS=0)",
@@ -153,7 +153,7 @@ def main() -> int:
         measured[precision] = {**times, "kv_bytes": step.kv_bytes()}
         print(f"{precision}: kernel {statistics.median(times['kernel']):.2f} ms, "
               f"torch {statistics.median(times['torch']):.2f} ms per step of {LAYERS} layers", flush=True)
-    from training_core.engines.cpu_kernels import cpu_info
+    from training_core.rollout_server.cpu_kernels import cpu_info
 
     machine = {"threads": args.threads, "read_gb_s": read_gb_s(), "cpu_model": cpu_info()[0]}
     out = report(measured, {"rows": ROWS, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM,

@@ -45,7 +45,7 @@ MARK = "engine_step: "  # the line of a child's stdout that holds its figures
 def timed_decoder(times: dict[str, list[float]]):
     """FusedDecoder's step (``__call__``) and ``prefill`` timed into ``times["step"]`` and
     ``times["prefill"]`` while inside; the class is restored after."""
-    from training_core.engines.fused_decode import FusedDecoder
+    from training_core.rollout_server.fused_decode import FusedDecoder
 
     originals = {"step": FusedDecoder.__call__, "prefill": FusedDecoder.prefill}
 
@@ -68,7 +68,7 @@ def timed_decoder(times: dict[str, list[float]]):
 
 def answer(engine, rows: list[list[int]], new_tokens: int) -> float:
     """One request of ``rows``, every answer ``new_tokens`` long; its wall seconds."""
-    from training_core.engines.generation_engine import Seq
+    from training_core.rollout_server.generation_engine import Seq
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -100,8 +100,8 @@ def projections_ms(decoder, rows: int, repeats: int) -> float:
 
 
 def measure(precision: str, batch: int, new_tokens: int, rounds: int) -> dict:
-    from training_core.engines.generation_engine import GenerationEngine
     from training_core.models.paths import resolve_model_dir
+    from training_core.rollout_server.generation_engine import GenerationEngine
 
     engine = GenerationEngine(str(resolve_model_dir("smollm2")), seed=1, dtype=precision)
     try:

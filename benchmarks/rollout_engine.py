@@ -105,7 +105,7 @@ def matmul_gflops(batch: int, hidden: int, inner: int, dtype: torch.dtype,
     """The faster of torch's matmul and the engine's own projection kernel (cpu_kernels, where
     one serves this CPU and dtype) at the decode shape: on an AVX-512 CPU without AMX the
     engine's bf16 kernel outruns torch's, and a bound below what the engine runs is none."""
-    from training_core.engines import cpu_kernels
+    from training_core.rollout_server import cpu_kernels
 
     a = torch.randn(batch, hidden, dtype=dtype)
     w = torch.randn(inner, hidden, dtype=dtype)
@@ -142,7 +142,7 @@ def copy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
 def kv_bytes_per_row(cfg, dtype: torch.dtype, context: float) -> float:
     """The KV cache one row's decode step reads at ``context`` positions: keys and values of
     every layer (at 64 rows and ~100 positions, about half the weights' bytes for SmolLM2)."""
-    from training_core.engines.fused_decode import head_dim
+    from training_core.rollout_server.fused_decode import head_dim
 
     per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim(cfg)
     return context * per_position * torch.finfo(dtype).bits / 8
@@ -206,7 +206,7 @@ def report(measured: dict[str, dict[int, dict]], config: dict, machine: dict,
 def cpu_identity() -> dict:
     """The CPU's model and its bf16 instructions: the aim of 2,000 tok/s was set on a CPU with
     AMX (a bf16 matmul ~7x fp32); with AVX512-BF16 alone it is ~2x, and the bound says so."""
-    from training_core.engines.cpu_kernels import cpu_fields, cpu_info
+    from training_core.rollout_server.cpu_kernels import cpu_fields, cpu_info
 
     model, flags = cpu_info()
     fields = cpu_fields()

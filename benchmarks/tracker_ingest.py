@@ -96,7 +96,7 @@ def main() -> int:
 
     import httpx
 
-    from training_core.launch import free_port
+    from training_core.ports import free_port
     from webapp.accounts.services import project_create, token_get_or_create, user_create
     from webapp.dashboard.charts import COMPARE_BUCKETS, COMPARE_CHARTS
     from webapp.datasets.services import dataset_create_builtin

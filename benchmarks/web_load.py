@@ -598,7 +598,7 @@ def main() -> int:
 
     call_command("migrate", verbosity=0)
 
-    from training_core.launch import free_port
+    from training_core.ports import free_port
     from webapp.accounts.services import (
         membership_add,
         project_create,

@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from training_core.engines.deepspeed_trainer import DeepSpeedTrainer  # noqa: E402
-from training_core.engines.rollout_client import RolloutClient  # noqa: E402
 from training_core.launch import start_embedded_fleet  # noqa: E402
 from training_core.models.paths import resolve_model_dir  # noqa: E402
-from training_core.weight_sync import (  # noqa: E402
+from training_core.trainer.deepspeed_trainer import DeepSpeedTrainer  # noqa: E402
+from training_core.transport.rollout_client import RolloutClient  # noqa: E402
+from training_core.transport.weight_sync import (  # noqa: E402
     DiskSync,
     DistributedSync,
     WeightSync,

@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from training_core.config import spec_data  # noqa: E402
-from training_core.http import WebClient, wait_healthy  # noqa: E402
-from training_core.launch import free_port  # noqa: E402
+from training_core.ports import free_port  # noqa: E402
 from training_core.runs_cli import Api, ApiError, watch_run  # noqa: E402
+from training_core.transport.http import WebClient, wait_healthy  # noqa: E402
 
 
 def sh(*args: str, env: dict, **kw) -> subprocess.CompletedProcess:

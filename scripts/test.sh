@@ -23,7 +23,7 @@ fi
 mkdir -p test-artifacts
 .venv/bin/python -c "import matplotlib.font_manager"
 # The engine's CPU kernels, built once for this machine before any server starts (cpu_kernels.py).
-.venv/bin/python -m training_core.engines.cpu_kernels
+.venv/bin/python -m training_core.rollout_server.cpu_kernels
 # The shape the code must keep: lint, then the architecture contracts in pyproject.toml
 # (training_core imports nothing of ours, the web app never imports workers, layers per app).
 echo "lint: ruff check, lint-imports"

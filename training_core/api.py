@@ -102,10 +102,32 @@ class TrajectoryGroup:
         return [s.reward for s in self.samples]
 
 
+# ---- the inference side's errors: what the loop, workflows and gateway may catch -------------
+
+class RolloutServerError(RuntimeError):
+    """The rollout servers failed (unreachable, 5xx past the retry window, a failed weight load)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class EpisodeError(RuntimeError):
+    """One episode's request failed on its own account (the run goes on without it)."""
+
+
+class RequestRejected(EpisodeError):
+    """The server answered 4xx: the request is wrong, and sending it again cannot help."""
+
+
+class GenerationAborted(EpisodeError):
+    """The server aborted a request that no pause interrupted, or one was interrupted too often."""
+
+
 @runtime_checkable
 class InferenceEngine(Protocol):
     """The rollout side as workflows, evaluation and the loop see it: generation that survives
-    weight updates (``engines.rollout_client.RolloutClient`` over SGLang-compatible servers).
+    weight updates (``transport.rollout_client.RolloutClient`` over SGLang-compatible servers).
 
     ``version`` is the policy version new tokens come from (its owner: training_core.version).
     ``pause`` interrupts generation for a weight update (in-flight requests come back and are
@@ -123,6 +145,10 @@ class InferenceEngine(Protocol):
     async def pause(self) -> None: ...
 
     async def resume(self) -> None: ...
+
+    async def aclose(self) -> None:
+        """Close the connections this event loop holds (one pool per loop)."""
+        ...
 
 
 class WeightReceiver(InferenceEngine, Protocol):
@@ -157,7 +183,7 @@ class WeightReceiver(InferenceEngine, Protocol):
 
 class TrainEngine(Protocol):
     """The trainer as the loop, weight sync and checkpoints see it
-    (``engines.deepspeed_trainer.DeepSpeedTrainer``). The loss is injected: ``train_step`` takes
+    (``trainer.deepspeed_trainer.DeepSpeedTrainer``). The loss is injected: ``train_step`` takes
     a pure tensor function (algorithms/loss.py)."""
 
     zero_stage: int

@@ -49,8 +49,8 @@ def _spec(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> int:
     from training_core.config import load_spec
-    from training_core.engines.deepspeed_trainer import finish_distributed
     from training_core.train import train
+    from training_core.world import finish_distributed
 
     if args.resume:
         spec_path = Path(args.resume) / "spec.yaml"
@@ -81,7 +81,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from training_core.engines.embedded_server import main as serve_main
+    from training_core.rollout_server.server import main as serve_main
 
     serve_main(args.server_args)
     return 0

@@ -330,7 +330,7 @@ class TrainerSpec(_Section):
     share_prefixes: bool = Field(True, description=(
         "compute each distinct prefix once per micro-batch: a group's prompt, the common start "
         "of its answers, identical answers (the forward runs over a prefix forest, see "
-        "training_core/engines/prefix_tree.py): the same logprobs and gradients with fewer "
+        "training_core/prefix_tree.py): the same logprobs and gradients with fewer "
         "tokens of compute. Off: every sample runs as a padded row"))
     skip_zero_gradient_rows: bool = Field(True, description=(
         "no forward or backward for samples whose loss has no gradient: every advantage zero "

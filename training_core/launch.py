@@ -9,52 +9,24 @@ The environment is always the allow-list of ``processes.process_env`` plus what 
 from __future__ import annotations
 
 import os
-import random
-import socket
 import sys
 from pathlib import Path
 
 from training_core.config import RunSpec
+from training_core.ports import free_port
 from training_core.processes import Fleet, ManagedProcess, process_env
 
-# The ports a node's processes listen on (rollout servers, the trainer's rendezvous, the weight
-# update group): "30000-30999". Cloud nodes set it (cloud-init) to the range their security group
-# opens; unset, any free port.
-PORT_RANGE_ENV = "OOLONG_PORT_RANGE"
 SGLANG_PYTHON_ENV = "OOLONG_SGLANG_PYTHON"  # the interpreter of SGLang's own environment
 # A node announces the address other nodes reach it at (set by the node's worker); otherwise the
 # address this machine uses to reach the first server (weight_sync.node_address).
 NODE_ADDRESS_ENV = "OOLONG_NODE_ADDRESS"
 
 
-def free_port() -> int:
-    span = os.environ.get(PORT_RANGE_ENV, "").strip()
-    if not span:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    try:
-        low, high = (int(x) for x in span.split("-"))
-    except ValueError:
-        raise ValueError(f"{PORT_RANGE_ENV}={span!r}: expected LOW-HIGH, e.g. 30000-30999") from None
-    ports = list(range(low, high + 1))
-    random.shuffle(ports)  # concurrent starters on one node rarely try the same port first
-    for port in ports:
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {PORT_RANGE_ENV}={span}: widen the range (and the "
-                       "security group's server_port_range with it)")
-
-
 def embedded_server_command(model_path: str, port: int, *, host: str = "127.0.0.1",
                             threads: int = 1, max_batch_size: int = 256, seed: int = 0,
                             weight_version: int = 0, parent_pid: int | None = None,
                             dtype: str = "float32") -> list[str]:
-    cmd = [sys.executable, "-m", "training_core.engines.embedded_server", "--model-path",
+    cmd = [sys.executable, "-m", "training_core.rollout_server.server", "--model-path",
            str(model_path), "--host", host, "--port", str(port), "--threads", str(threads),
            "--max-batch-size", str(max_batch_size), "--seed", str(seed),
            "--weight-version", str(weight_version), "--dtype", dtype]

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training_core.http import wait_healthy
+from training_core.transport.http import wait_healthy
 
 # What a run's processes inherit from whoever starts them (a flow, a worker, a shell): the
 # toolchain, thread counts, caches, the accelerator and collective settings, and the durable

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from training_core.config import RunSpec, dump_spec, spec_from_dict
-from training_core.http import WebClient
 from training_core.rewards.registry import USER_REWARD, USER_REWARD_PACKAGE
+from training_core.transport.http import WebClient
 
 
 def prepare_remote_run(tracker_url: str, token: str, run_dir: str | Path, *,

@@ -21,7 +21,7 @@ samples were dropped, the long ones most (a bias towards short answers). Waiting
 trainer time only when a straggler is that late, and generation keeps going meanwhile.
 
 Failures:
-- An :class:`~training_core.engines.rollout_client.EpisodeError` (the server rejected or aborted
+- An :class:`~training_core.api.EpisodeError` (the server rejected or aborted
   that one request) is logged and counted; the episode's slot goes to another prompt and the run
   goes on. Any other exception in an episode (a workflow bug, servers unreachable) fails the run.
 - ``prepare_batch`` gives up after ``timeout_s`` with a reason: every group rejected by the
@@ -43,9 +43,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from training_core.algorithms.advantages import is_degenerate_group
-from training_core.api import TrajectoryGroup, Workflow
+from training_core.api import EpisodeError, InferenceEngine, TrajectoryGroup, Workflow
 from training_core.data.datasets import PromptLoader
-from training_core.engines.rollout_client import EpisodeError, RolloutClient
 from training_core.staleness import StalenessManager
 
 log = logging.getLogger(__name__)
@@ -72,7 +71,7 @@ class Batch:
 
 
 class RolloutExecutor:
-    def __init__(self, client: RolloutClient, workflow: Workflow, loader: PromptLoader,
+    def __init__(self, client: InferenceEngine, workflow: Workflow, loader: PromptLoader,
                  staleness: StalenessManager, *, dynamic_filter: bool = False,
                  max_token_staleness: int | None = None):
         self.client = client

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from training_core import metric_names as M
-from training_core.engines.rollout_client import RolloutClient
+from training_core.transport.rollout_client import RolloutClient
 
 COUNTERS = ("busy_s", "tokens_generated", "steps")
 

@@ -27,13 +27,6 @@ from training_core.checkpoint import checkpoint_dir, latest_checkpoint
 from training_core.checkpoint_store import CheckpointStore
 from training_core.config import RunSpec, dump_spec
 from training_core.data.datasets import PromptLoader, load_data
-from training_core.engines.deepspeed_trainer import (
-    DeepSpeedTrainer,
-    barrier,
-    local_rank,
-    rank_and_world,
-)
-from training_core.engines.rollout_client import RolloutClient
 from training_core.launch import start_embedded_fleet
 from training_core.metrics import JsonlSink, MultiSink, truncate_metrics
 from training_core.models.loading import load_tokenizer
@@ -44,10 +37,13 @@ from training_core.rollout import RolloutExecutor
 from training_core.rollout_profile import RolloutProfile
 from training_core.staleness import StalenessManager
 from training_core.thread_share import ThreadShare
+from training_core.trainer.deepspeed_trainer import DeepSpeedTrainer
+from training_core.transport.rollout_client import RolloutClient
+from training_core.transport.weight_sync import WeightSync, make_weight_sync, push_weights
 from training_core.version import PolicyVersion
-from training_core.weight_sync import WeightSync, make_weight_sync, push_weights
 from training_core.workflows import load_workflow
 from training_core.workflows.base import WorkflowContext
+from training_core.world import barrier, local_rank, rank_and_world
 
 
 @dataclass

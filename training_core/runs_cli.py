@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from training_core import metric_names as M
 from training_core.config import SpecError, parse_scalar, spec_data
-from training_core.http import WebClient
+from training_core.transport.http import WebClient
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
@@ -28,7 +28,7 @@ class ApiError(RuntimeError):
 
 
 class Api:
-    """The server's REST API as the CLI calls it, over the web app's client (training_core.http):
+    """The server's REST API as the CLI calls it, over the web app's client (training_core.transport.http):
     reads are retried by the shared policy (connection errors, 5xx), writes are sent once; an
     error answer raises :class:`ApiError` with the server's message and each field's reason."""
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from training_core.http import ServerError, WebClient
+from training_core.transport.http import ServerError, WebClient
 
 log = logging.getLogger(__name__)
 

@@ -41,11 +41,6 @@ from training_core.batching import build_train_batch, rows_with_gradient
 from training_core.checkpoint import checkpoint_dir, prune_checkpoints
 from training_core.checkpoint_store import CheckpointStore
 from training_core.config import RunSpec
-from training_core.engines.deepspeed_trainer import (
-    barrier,
-    local_rank,
-    rank_and_world,
-)
 from training_core.evaluation import evaluate
 from training_core.metrics import BATCH_LOG
 from training_core.reward_failures import RewardFailureWatch
@@ -53,7 +48,15 @@ from training_core.run_setup import Run, build_run
 from training_core.staleness import rows_needing_proximal
 from training_core.step_metrics import batch_metrics, sample_records, step_metrics
 from training_core.thread_share import ThreadShare
-from training_core.weight_sync import WeightSync, push_weights
+from training_core.transport.weight_sync import WeightSync, push_weights
+from training_core.world import (
+    all_reduce_max,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    local_rank,
+    rank_and_world,
+)
 
 # Episode failures beyond this many per step are counted in rollout/episode_errors, not evented.
 MAX_FAILURE_EVENTS = 5
@@ -273,14 +276,10 @@ def reduce_mismatch(sums: dict[str, float], world: int) -> dict[str, float]:
     collective: every rank calls it once per step)."""
     if world == 1:
         return sums
-    import torch.distributed as dist
-
-    added = torch.tensor([sums.get(k, 0.0) for k in MISMATCH_SUM_KEYS], dtype=torch.float64)
-    top = torch.tensor([sums.get(k, 0.0) for k in MISMATCH_MAX_KEYS], dtype=torch.float64)
-    dist.all_reduce(added)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX)
-    return {**dict(zip(MISMATCH_SUM_KEYS, added.tolist(), strict=True)),
-            **dict(zip(MISMATCH_MAX_KEYS, top.tolist(), strict=True))}
+    added = all_reduce_sum([sums.get(k, 0.0) for k in MISMATCH_SUM_KEYS])
+    top = all_reduce_max([sums.get(k, 0.0) for k in MISMATCH_MAX_KEYS])
+    return {**dict(zip(MISMATCH_SUM_KEYS, added, strict=True)),
+            **dict(zip(MISMATCH_MAX_KEYS, top, strict=True))}
 
 
 def run_eval(run: Run, step: int) -> dict[str, float]:
@@ -325,17 +324,15 @@ def scatter_batch(tb: TrainBatch | None, world: int) -> TrainBatch | None:
     its share. ``None`` from rank 0 means: stop."""
     if world == 1:
         return tb
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    box: list = [None]
+    rank = rank_and_world()[0]
+    shares = None
     if rank == 0 and tb is not None:
         n = tb.input_ids.shape[0]
         if n < world:
             raise ValueError(f"a batch of {n} samples cannot feed {world} ranks")
-        box = [[tb.select(list(range(r, n, world))) for r in range(world)]]
-    dist.broadcast_object_list(box, src=0)
-    return None if box[0] is None else box[0][rank]
+        shares = [tb.select(list(range(r, n, world))) for r in range(world)]
+    shares = broadcast_object(shares, src=0)
+    return None if shares is None else shares[rank]
 
 
 class Timers:

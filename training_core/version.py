@@ -2,7 +2,7 @@
 
 ``v`` starts at 0 (or at a checkpoint's version on resume) and grows by one per optimizer update
 whose weights the rollout servers hold (docs/design.md §3). It is advanced in one place,
-:func:`training_core.weight_sync.push_weights`, between the push and the resume of generation,
+:func:`training_core.transport.weight_sync.push_weights`, between the push and the resume of generation,
 and read by everything else:
 
 - admission: the rollout executor's staleness capacity (through ``RolloutClient.version``);

@@ -34,7 +34,7 @@ from orchestration.ray_placement import Reservation
 from orchestration.supervise import Outcome
 from orchestration.tracker import Tracker
 from training_core.config import RunSpec
-from training_core.http import wait_healthy
+from training_core.transport.http import wait_healthy
 
 POOL_ENV = "OOLONG_NODE_POOL"  # the pool static nodes' workers serve
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}

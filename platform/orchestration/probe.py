@@ -15,7 +15,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from training_core.engines.rollout_client import RolloutClient
+from training_core.transport.rollout_client import RolloutClient
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from training_core.http import WebClient
+from training_core.transport.http import WebClient
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.benchmarks.modules import benchmark
-from training_core.engines import cpu_kernels
+from training_core.rollout_server import cpu_kernels
 
 
 def test_the_report_has_medians_speedup_and_read_rate_per_precision():

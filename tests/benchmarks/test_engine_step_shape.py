@@ -40,8 +40,8 @@ def tiny_model_dir():
 
 def test_the_hooks_time_every_step_and_prefill_of_a_request_and_leave_the_decoder_as_it_was(
         tiny_model_dir):
-    from training_core.engines.fused_decode import FusedDecoder
-    from training_core.engines.generation_engine import GenerationEngine
+    from training_core.rollout_server.fused_decode import FusedDecoder
+    from training_core.rollout_server.generation_engine import GenerationEngine
 
     bench = benchmark("engine_step")
     engine = GenerationEngine(str(tiny_model_dir), seed=1)

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from tests.integration.conftest import ROOT, wait_for
-from training_core.launch import free_port
+from training_core.ports import free_port
 
 
 def prefect_env(api_url: str, home: Path) -> dict[str, str]:

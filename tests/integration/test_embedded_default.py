@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from training_core.launch import free_port
+from training_core.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -38,7 +38,7 @@ from tests.integration.conftest import (
     wait_for_exit,
 )
 from tests.integration.prefect_cluster import kill, start_server
-from training_core.launch import free_port
+from training_core.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 POOL = "oolong-cloud-sim"

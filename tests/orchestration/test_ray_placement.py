@@ -24,7 +24,8 @@ from orchestration.providers.base import Node, NodeInventory
 from orchestration.ray_placement import NODE_LABEL, PlacementCancelled, reserve
 
 from training_core.config import load_spec
-from training_core.launch import free_port, run_env, server_command, trainer_command
+from training_core.launch import run_env, server_command, trainer_command
+from training_core.ports import free_port
 
 ray = pytest.importorskip("ray")
 RAY = str(Path(sys.executable).with_name("ray"))

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from tests.webapp.conftest import alice, project  # noqa: F401 - fixtures
-from training_core.http import wait_healthy
-from training_core.launch import free_port
+from training_core.ports import free_port
+from training_core.transport.http import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]

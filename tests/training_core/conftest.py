@@ -7,7 +7,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from training_core.launch import embedded_server_command, free_port, server_process
+from training_core.launch import embedded_server_command, server_process
+from training_core.ports import free_port
 from training_core.processes import Fleet
 
 
@@ -47,7 +48,7 @@ def generate(url: str, input_ids, **sampling) -> dict:
 
 def run_episode(server: str, workflow, item: dict):
     """One episode of ``workflow`` against a real server, on a client of its own."""
-    from training_core.engines.rollout_client import RolloutClient
+    from training_core.transport.rollout_client import RolloutClient
 
     async def go():
         client = RolloutClient([server])

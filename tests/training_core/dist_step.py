@@ -9,12 +9,9 @@ import torch
 from tests.training_core.test_deepspeed_trainer import _batch
 from training_core.algorithms.loss import decoupled_ppo_loss
 from training_core.algorithms.presets import PRESETS
-from training_core.engines.deepspeed_trainer import (
-    DeepSpeedTrainer,
-    finish_distributed,
-    rank_and_world,
-)
 from training_core.train import scatter_batch
+from training_core.trainer.deepspeed_trainer import DeepSpeedTrainer
+from training_core.world import finish_distributed, rank_and_world
 
 
 def main(model_dir: str, out: str, zero_stage: int) -> None:

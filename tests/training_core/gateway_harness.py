@@ -8,9 +8,9 @@ import threading
 from typing import Any
 
 from training_core.api import GenerationRequest, GenerationResponse, SamplingParams
-from training_core.engines.rollout_client import RolloutClient
 from training_core.gateway.chat import ChatRenderer
 from training_core.gateway.server import Gateway
+from training_core.transport.rollout_client import RolloutClient
 
 
 class RecordingEngine:

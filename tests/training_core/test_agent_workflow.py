@@ -7,9 +7,8 @@ import datetime
 import pytest
 
 from tests.training_core.conftest import run_episode
-from training_core.api import SamplingParams
+from training_core.api import EpisodeError, SamplingParams
 from training_core.config import AgentSpec
-from training_core.engines.rollout_client import EpisodeError
 from training_core.models.loading import load_tokenizer
 from training_core.workflows import load_workflow
 from training_core.workflows.agent import agent_metrics

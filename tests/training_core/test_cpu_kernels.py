@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training_core.engines import cpu_kernels
+from training_core.rollout_server import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ toolchain to build with")
 
@@ -178,7 +178,7 @@ def test_a_build_killed_midway_does_not_stop_the_next_one(tmp_path):
     small = tmp_path / "small.cpp"
     small.write_text("extern \"C\" int oolong_small_build() { return 1; }\n")
     env = {**os.environ, "OOLONG_CACHE": str(tmp_path)}
-    code = ("from training_core.engines import cpu_kernels as k; "
+    code = ("from training_core.rollout_server import cpu_kernels as k; "
             f"k.SOURCES, k.HEADERS = [__import__('pathlib').Path({str(small)!r})], []; "
             "t = k.build_dir(); "
             "t.mkdir(parents=True); (t / 'lock').write_text(''); "  # what a killed build leaves

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training_core.engines import cpu_kernels, generation_engine
+from training_core.rollout_server import cpu_kernels, generation_engine
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ toolchain to build with")
 
@@ -42,7 +42,7 @@ def test_amx_projections_are_onednns_with_their_post_ops(rows):
     assert torch.equal(added, _linear.binary(x, residual, _onednn(w), None, "add"))
 
     gate, up = w[:48], w[48:]
-    from training_core.engines.fused_decode import _interleave
+    from training_core.rollout_server.fused_decode import _interleave
 
     fused = AMX(x, torch.ops.oolong.amx_pack(_interleave(gate, up)), None, "silu_mul")
     want = _linear.binary(x, _linear(x, _onednn(gate), None, "swish", [], ""), _onednn(up), None,
@@ -146,7 +146,7 @@ def test_avx512_projections_round_the_exact_product_once_with_their_epilogues(ro
     added = AVX512(x, packed, residual, "add")  # the residual added before the one rounding
     torch.testing.assert_close(added.double(), exact + residual.double(), atol=1e-5, rtol=2 ** -8)
 
-    from training_core.engines.fused_decode import _interleave
+    from training_core.rollout_server.fused_decode import _interleave
 
     gate, up = w[:48], w[48:]
     fused = AVX512(x, torch.ops.oolong.avx512_pack(_interleave(gate, up), pairs), None, "silu_mul")
@@ -236,7 +236,7 @@ def test_the_projection_kernel_is_amxs_else_avx512s_else_avx2s_else_none(monkeyp
 @needs_avx512
 @pytest.mark.parametrize("rows", [1, 13, 64])
 def test_avx512_projections_in_fp32_are_the_exact_product_up_to_fp32_sums(rows):
-    from training_core.engines.fused_decode import _interleave
+    from training_core.rollout_server.fused_decode import _interleave
 
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 200, generator=g) * 0.1  # a chunk of 64 k, and more: four chunks
@@ -263,7 +263,7 @@ def test_avx512_projections_in_fp32_are_the_exact_product_up_to_fp32_sums(rows):
 def test_avx2_projections_are_the_exact_product_with_their_epilogues(rows, dtype):
     """Passes of one to six rows by half panels, K in chunks (200: fp32 64 k a chunk, four of
     them; widened bf16 128, two): the products exact, the sums fp32, bf16 rounded once."""
-    from training_core.engines.fused_decode import _interleave
+    from training_core.rollout_server.fused_decode import _interleave
 
     g = torch.Generator().manual_seed(rows)
     w = (torch.randn(96, 200, generator=g) * 0.1).to(dtype)  # three panels of 32 columns

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from training_core.algorithms.loss import decoupled_ppo_loss
 from training_core.algorithms.presets import PRESETS
 from training_core.api import TrainBatch
-from training_core.engines.deepspeed_trainer import DeepSpeedTrainer, pack_micro_batches
+from training_core.trainer.deepspeed_trainer import DeepSpeedTrainer, pack_micro_batches
 
 
 def _batch(n=4, length=10, prompt=5, seed=0):

@@ -18,9 +18,9 @@ import torch
 
 from tests.training_core.conftest import generate
 from training_core.api import GenerationRequest, SamplingParams
-from training_core.engines.deepspeed_trainer import sequence_logprobs
-from training_core.engines.rollout_client import RolloutClient
 from training_core.models.loading import load_model
+from training_core.prefix_tree import sequence_logprobs
+from training_core.transport.rollout_client import RolloutClient
 
 
 def test_health_and_model_info(server):
@@ -348,7 +348,8 @@ def test_a_server_whose_engine_cannot_start_exits_and_says_why(tmp_path):
 def test_the_server_runs_in_the_runs_dtype(tiny_model_dir, tmp_path):
     """``--dtype bfloat16`` (a run's ``model.dtype``): weights and KV cache in bf16, reported by
     /server_info; its logprobs are an fp32 forward's up to bf16 rounding, not equal to them."""
-    from training_core.launch import embedded_server_command, free_port, server_process
+    from training_core.launch import embedded_server_command, server_process
+    from training_core.ports import free_port
     from training_core.processes import Fleet
 
     port = free_port()

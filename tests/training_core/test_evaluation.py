@@ -8,8 +8,8 @@ from safetensors.torch import save_file
 
 from tests.training_core.conftest import generate
 from training_core.config import load_spec
-from training_core.evaluation import evaluate_weights
 from training_core.models.loading import load_model, load_tokenizer
+from training_core.offline_eval import evaluate_weights
 from training_core.workflows.base import render_prompt
 
 TEMPLATE = "Q: {question} A:"
@@ -54,11 +54,11 @@ def test_an_eval_row_too_long_for_the_server_is_counted_not_fatal(server, tiny_m
     import asyncio
 
     from training_core.api import SamplingParams
-    from training_core.engines.rollout_client import RolloutClient
     from training_core.evaluation import evaluate
     from training_core.metric_names import EVAL_ERRORS
     from training_core.models.loading import load_model
     from training_core.rewards.pool import RewardPool
+    from training_core.transport.rollout_client import RolloutClient
     from training_core.workflows.base import WorkflowContext
 
     tok = load_tokenizer(tiny_model_dir)

@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-from training_core.engines.deepspeed_trainer import sequence_logprobs
-from training_core.engines.generation_engine import GenerationEngine, Seq
 from training_core.models.loading import load_model
+from training_core.prefix_tree import sequence_logprobs
+from training_core.rollout_server.generation_engine import GenerationEngine, Seq
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="the fused kernels are oneDNN's")
@@ -127,7 +127,7 @@ def test_bf16_is_no_further_from_the_model_than_transformers_bf16_decode(smollm2
 
 
 def test_models_it_does_not_describe_decode_through_transformers(tiny_model_dir):
-    from training_core.engines import fused_decode
+    from training_core.rollout_server import fused_decode
 
     model = load_model(tiny_model_dir).eval()
     assert not fused_decode.supports(model), "linear layers not packed: nothing to fuse with"
@@ -168,9 +168,10 @@ def test_kernel_projections_decode_as_well_as_onednns_and_follow_a_weight_update
     are taken in other orders, and SiLU's exp is the kernel's own), before and after new weights,
     which its copies follow. Where oneDNN cannot pack bf16 (an AVX2 CPU) the batch is fp32, and
     its logits are oneDNN's fp32 ones up to the order of the sums."""
-    from training_core.engines import cpu_kernels, fused_decode
-    from training_core.engines.packed_linear import pack_linears, repack
-    from training_core.engines.slot_cache import ATTENTION, SlotCache, forest_prefill
+    from training_core.rollout_server import cpu_kernels, fused_decode
+    from training_core.rollout_server.packed_linear import pack_linears, repack
+    from training_core.rollout_server.prefill import forest_prefill
+    from training_core.rollout_server.slot_cache import ATTENTION, SlotCache
 
     monkeypatch.setenv(cpu_kernels.AVX512_LINEAR_ENV, "1")
     monkeypatch.setenv(cpu_kernels.AVX2_LINEAR_ENV, "1")
@@ -248,9 +249,10 @@ def test_the_layers_in_one_call_are_the_python_loop_bit_for_bit(model, precision
     (cpu_kernels.decode_layers), in bf16 (where oneDNN packs it) and in fp32: the same operators in the same order as its loop in Python, so
     the same logits and the same keys and values in the cache, bit for bit, over three steps (the
     cache's column moving), before and after new weights (the call's lists follow them)."""
-    from training_core.engines import cpu_kernels, fused_decode
-    from training_core.engines.packed_linear import pack_linears, repack
-    from training_core.engines.slot_cache import ATTENTION, SlotCache, forest_prefill
+    from training_core.rollout_server import cpu_kernels, fused_decode
+    from training_core.rollout_server.packed_linear import pack_linears, repack
+    from training_core.rollout_server.prefill import forest_prefill
+    from training_core.rollout_server.slot_cache import ATTENTION, SlotCache
 
     monkeypatch.setenv(cpu_kernels.AVX512_LINEAR_ENV, "1")
     monkeypatch.setenv(cpu_kernels.AVX2_LINEAR_ENV, "1")
@@ -320,9 +322,10 @@ def test_a_measured_projection_kernel_decodes_only_at_the_batches_it_won(tiny_mo
     and keeps no copy of the weights for it where it won none. The timing's outcome as it comes
     on this CPU, and two set ones (a partial win, none). Either way the step is the same step:
     its greedy tokens are transformers'."""
-    from training_core.engines import cpu_kernels, fused_decode
-    from training_core.engines.packed_linear import pack_linears
-    from training_core.engines.slot_cache import ATTENTION, SlotCache, forest_prefill
+    from training_core.rollout_server import cpu_kernels, fused_decode
+    from training_core.rollout_server.packed_linear import pack_linears
+    from training_core.rollout_server.prefill import forest_prefill
+    from training_core.rollout_server.slot_cache import ATTENTION, SlotCache
 
     monkeypatch.delenv(cpu_kernels.AVX512_LINEAR_ENV, raising=False)
     monkeypatch.delenv(cpu_kernels.AVX2_LINEAR_ENV, raising=False)
@@ -390,7 +393,7 @@ def test_measured_keeps_the_batch_sizes_where_the_kernel_was_faster(monkeypatch)
     margin of oneDNN's time, which is no win."""
     import types
 
-    from training_core.engines import cpu_kernels
+    from training_core.rollout_server import cpu_kernels
 
     now = [0.0]
     monkeypatch.setattr(cpu_kernels, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
@@ -414,8 +417,8 @@ def test_prefill_attention_by_blocks_of_queries_is_attention_over_the_whole_row(
     """The fused prefill's attention (fused_decode._attention_blocks): each block of queries over
     only the columns it attends gives what SDPA gives over the whole forest row, for every real
     node, in far fewer columns (a forest of prompts sharing a prefix, rows of many branches)."""
-    from training_core.engines.fused_decode import PREFILL_QUERY_BLOCK, _attention_blocks
-    from training_core.engines.prefix_tree import prefill_forest
+    from training_core.prefix_tree import prefill_forest
+    from training_core.rollout_server.fused_decode import PREFILL_QUERY_BLOCK, _attention_blocks
 
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(3, 90, (20,), generator=g).tolist()

@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from training_core.engines import generation_engine
-from training_core.engines.deepspeed_trainer import sequence_logprobs
-from training_core.engines.generation_engine import GenerationEngine, Seq
-from training_core.engines.packed_linear import PackedLinear
 from training_core.models.loading import load_model
+from training_core.prefix_tree import sequence_logprobs
+from training_core.rollout_server import generation_engine
+from training_core.rollout_server.generation_engine import GenerationEngine, Seq
+from training_core.rollout_server.packed_linear import PackedLinear
 
 
 @pytest.fixture
@@ -219,7 +219,7 @@ def test_inverse_cdf_draws_give_every_token_its_own_probability_over_a_large_voc
     pick = torch.cat([tail[torch.randperm(len(tail), generator=g)[:26]], edges])
 
     if sampler == "kernel":
-        from training_core.engines import cpu_kernels
+        from training_core.rollout_server import cpu_kernels
 
         op = cpu_kernels.sample(torch.device("cpu"), torch.float32)
         if op is None:

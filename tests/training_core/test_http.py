@@ -8,7 +8,7 @@ import sys
 import httpx
 import pytest
 
-from training_core.http import ServerError, WebClient, wait_healthy
+from training_core.transport.http import ServerError, WebClient, wait_healthy
 
 
 def scripted(statuses):

@@ -10,7 +10,7 @@ import socket
 import httpx
 import pytest
 
-from training_core.engines.json_http import JsonHttpClient
+from training_core.transport.json_http import JsonHttpClient
 
 
 async def _serve(answer, host: str = "127.0.0.1"):

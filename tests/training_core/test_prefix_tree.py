@@ -10,14 +10,14 @@ from training_core.algorithms.loss import decoupled_ppo_loss
 from training_core.algorithms.presets import PRESETS
 from training_core.api import PROMPT_VERSION, TrainBatch
 from training_core.config import load_spec
-from training_core.engines.deepspeed_trainer import DeepSpeedTrainer
-from training_core.engines.prefix_tree import (
+from training_core.models.loading import load_model
+from training_core.prefix_tree import (
     build_forest,
     prefix_micro_batches,
     prefix_tree_logprobs,
     sequence_logprobs,
 )
-from training_core.models.loading import load_model
+from training_core.trainer.deepspeed_trainer import DeepSpeedTrainer
 
 
 def _rows(seed: int = 0) -> list[tuple[list[int], list[int]]]:
@@ -91,7 +91,7 @@ def test_logprobs_equal_the_whole_rows_and_leave_prompts_at_zero(tiny_model_dir,
     """budget=1: every group is split into parts of the longest sample's size, each part with
     its own copy of the prompt, several parts sharing a row."""
     if budget is not None:
-        monkeypatch.setattr("training_core.engines.prefix_tree.ROW_FACTOR", budget)
+        monkeypatch.setattr("training_core.prefix_tree.ROW_FACTOR", budget)
     model = load_model(tiny_model_dir).eval()
     b = _batch(_rows())
     with torch.no_grad():

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from training_core.launch import free_port
+from training_core.ports import free_port
 from training_core.processes import PROCESS_TAG_ENV, Fleet, ManagedProcess, process_env, stop_all
 
 # Ignores SIGTERM and starts a grandchild that would outlive a plain kill of the leader.

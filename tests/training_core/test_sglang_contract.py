@@ -29,7 +29,7 @@ from training_core.launch import sglang_server_command
 ROOT = Path(__file__).resolve().parents[2]
 # Everything that talks to a rollout server: the trainer's client and weight sync, and the
 # orchestration that probes servers (the embedded server *serves* these routes; not a caller).
-CALLERS = [ROOT / "training_core/engines/rollout_client.py", ROOT / "training_core/weight_sync.py",
+CALLERS = [ROOT / "training_core/transport/rollout_client.py", ROOT / "training_core/transport/weight_sync.py",
            ROOT / "training_core/launch.py", *sorted((ROOT / "platform/orchestration").rglob("*.py"))]
 ROUTE = re.compile(r"""["'](/[a-z_]+)["']""")
 

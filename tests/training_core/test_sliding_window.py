@@ -12,15 +12,15 @@ import torch
 
 from tests.training_core.test_generation_engine import _run
 from tests.training_core.test_prefix_tree import _batch, _rows
-from training_core.engines.generation_engine import GenerationEngine
-from training_core.engines.prefix_tree import (
+from training_core.models.loading import load_model
+from training_core.models.tiny import build_char_tokenizer, build_tiny_model
+from training_core.prefix_tree import (
     prefix_tree_logprobs,
     sequence_logprobs,
     shares_prefixes,
     sliding_window,
 )
-from training_core.models.loading import load_model
-from training_core.models.tiny import build_char_tokenizer, build_tiny_model
+from training_core.rollout_server.generation_engine import GenerationEngine
 
 WINDOW = 4
 FAMILIES = {"mistral": {"family": "mistral"},

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training_core.engines import cpu_kernels, slot_cache
-from training_core.engines.fused_decode import FusedDecoder
-from training_core.engines.packed_linear import pack_linears
-from training_core.engines.slot_cache import ATTENTION, SlotCache, forest_prefill
 from training_core.models.loading import load_model
+from training_core.rollout_server import cpu_kernels, prefill, slot_cache
+from training_core.rollout_server.fused_decode import FusedDecoder
+from training_core.rollout_server.packed_linear import pack_linears
+from training_core.rollout_server.prefill import forest_prefill
+from training_core.rollout_server.slot_cache import ATTENTION, SlotCache
 
 
 class Batch:
@@ -122,7 +123,7 @@ def test_a_forest_prefill_shares_prefixes_and_splits_rows_and_matches_full_forwa
     Through transformers' forward, and through the fused decoder's prefill and decode step."""
     if fused and not cpu_kernels.load():
         pytest.skip("no C++ toolchain to build cpu_kernels with")
-    monkeypatch.setattr(slot_cache, "PREFILL_ROW_NODES", 16)
+    monkeypatch.setattr(prefill, "PREFILL_ROW_NODES", 16)
     model = load_model(tiny_model_dir).eval()
     if fused:
         pack_linears(model)
@@ -131,7 +132,7 @@ def test_a_forest_prefill_shares_prefixes_and_splits_rows_and_matches_full_forwa
     prompt, other = [5, 9, 13, 7, 21, 4], [8, 8, 30]
     seqs = [prompt + [40, 41, 42], prompt + [40, 41, 50, 51], prompt + [40], prompt + [33, 34],
             other + [12, 12, 12, 12, 12], other + [12], prompt + [40, 41, 42, 43, 44, 45]]
-    forest = slot_cache.prefill_forest(seqs, 16)
+    forest = prefill.prefill_forest(seqs, 16)
     assert forest.input_ids.shape[0] > 1, "the budget splits the forest into rows"
     assert int((forest.input_ids != 0).sum()) < sum(len(q) for q in seqs), "prefixes shared"
 
@@ -149,7 +150,7 @@ def test_a_forest_row_wider_than_a_block_of_queries_prefills_as_full_forwards(ti
     forest row several blocks wide: sixteen answers to one prompt, each its own branch. Its
     logits are transformers' full forwards', and so are the decode steps after it (the keys and
     values it gathered back into the cache)."""
-    from training_core.engines import fused_decode
+    from training_core.rollout_server import fused_decode
 
     if not cpu_kernels.load():
         pytest.skip("no C++ toolchain to build cpu_kernels with")
@@ -161,7 +162,7 @@ def test_a_forest_row_wider_than_a_block_of_queries_prefills_as_full_forwards(ti
     prompt = [5, 9, 13, 7, 21, 4, 8]
     seqs = [prompt + torch.randint(3, 60, (int(n),), generator=g).tolist()
             for n in torch.randint(3, 9, (16,), generator=g)]
-    forest = slot_cache.prefill_forest(seqs, slot_cache.PREFILL_ROW_NODES)
+    forest = prefill.prefill_forest(seqs, prefill.PREFILL_ROW_NODES)
     assert forest.input_ids.shape[0] == 1, "one row"
     assert forest.input_ids.shape[1] > 2 * fused_decode.PREFILL_QUERY_BLOCK, "several blocks"
     batch = Batch(model, kernel=True)

@@ -19,9 +19,9 @@ def smollm2_dir():
 @pytest.mark.slow
 def test_load_generate_one_rl_step_and_checkpoint_round_trip(smollm2_dir, tmp_path):
     from training_core.config import load_spec
-    from training_core.engines.deepspeed_trainer import DeepSpeedTrainer
     from training_core.models.loading import load_tokenizer
     from training_core.train import train
+    from training_core.trainer.deepspeed_trainer import DeepSpeedTrainer
 
     tok = load_tokenizer(smollm2_dir)
     assert len(tok) == 49152

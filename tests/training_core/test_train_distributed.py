@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.training_core.conftest import start_server
-from training_core.launch import free_port
+from training_core.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]

@@ -282,8 +282,8 @@ def test_resume_on_fresh_nodes_from_the_durable_checkpoint_store(tmp_path, monke
     store. The tracker was unreachable while node A lived, so every metric it logged was still
     in its spool: the checkpoint carried them, and node B delivers them (no step missing)."""
     from training_core.checkpoint_store import STORE_ENV
-    from training_core.launch import free_port
     from training_core.metrics import JsonlSink, MultiSink
+    from training_core.ports import free_port
     from training_core.tracking_sink import HttpSink
     from training_core.train import train
 

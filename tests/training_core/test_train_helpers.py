@@ -7,8 +7,8 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from training_core.engines.rollout_client import RolloutClient
 from training_core.rollout_profile import RolloutProfile
+from training_core.transport.rollout_client import RolloutClient
 
 
 def _serve(payloads: list[dict], answer_after: threading.Event | None = None

@@ -1,4 +1,4 @@
-"""Weight folders written over a retired version's file (training_core/weight_files.py), and
+"""Weight folders written over a retired version's file (training_core/transport/weight_files.py), and
 the shared lock that keeps a file whose mapped tensors still serve from being written over: real
 files, real flocks, the real embedded engine on the tiny model, the real DeepSpeed trainer."""
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from training_core import weight_files
 from training_core.checkpoint import pushed_weights
-from training_core.engines.generation_engine import GenerationEngine
-from training_core.weight_sync import SPARE, DiskSync
+from training_core.rollout_server.generation_engine import GenerationEngine
+from training_core.transport import weight_files
+from training_core.transport.weight_sync import SPARE, DiskSync
 
 
 def _state(seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -112,7 +112,7 @@ def test_a_file_whose_tensors_serve_is_never_written_over(tmp_path):
 
 def test_a_reader_in_another_process_holds_the_file_too(tmp_path):
     weight_files.save(tmp_path / "v1", _state(6))
-    code = ("import sys, time; from training_core import weight_files; "
+    code = ("import sys, time; from training_core.transport import weight_files; "
             "s, held = weight_files.load(sys.argv[1]); print('held', flush=True); time.sleep(60)")
     reader = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "v1")],
                               stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
@@ -128,7 +128,7 @@ def test_a_reader_in_another_process_holds_the_file_too(tmp_path):
 def test_the_engine_holds_the_file_it_serves_until_the_next_load(tiny_model_dir, tmp_path):
     """The engine's parameters map the loaded file (assign=True): while they serve, a new version
     goes to a new file; once the engine loads another version, the old file is free."""
-    from training_core.engines.deepspeed_trainer import DeepSpeedTrainer
+    from training_core.trainer.deepspeed_trainer import DeepSpeedTrainer
 
     trainer = DeepSpeedTrainer(tiny_model_dir, lr=1e-3, weight_decay=0.0, grad_clip=1.0,
                                zero_stage=0)
@@ -167,7 +167,7 @@ class _Receiver:
 
 
 def test_disk_sync_keeps_two_versions_and_writes_the_third_over_the_spare(tiny_model_dir, tmp_path):
-    from training_core.engines.deepspeed_trainer import DeepSpeedTrainer
+    from training_core.trainer.deepspeed_trainer import DeepSpeedTrainer
 
     trainer = DeepSpeedTrainer(tiny_model_dir, lr=1e-3, weight_decay=0.0, grad_clip=1.0,
                                zero_stage=0)
@@ -231,7 +231,7 @@ def test_a_partial_load_keeps_the_old_file_held_and_shutdown_lets_all_go(tiny_mo
 
 
 def test_a_resumed_export_starts_the_folders_afresh(tiny_model_dir, tmp_path):
-    from training_core.engines.deepspeed_trainer import DeepSpeedTrainer
+    from training_core.trainer.deepspeed_trainer import DeepSpeedTrainer
 
     trainer = DeepSpeedTrainer(tiny_model_dir, lr=1e-3, weight_decay=0.0, grad_clip=1.0,
                                zero_stage=0)

@@ -13,9 +13,10 @@ import torch
 from tests.training_core.conftest import start_server
 from tests.training_core.scripted_http import ScriptedServer
 from tests.training_core.sglang_contract import check_request
-from training_core.engines.rollout_client import RolloutClient, RolloutServerError
+from training_core.api import RolloutServerError
+from training_core.transport.rollout_client import RolloutClient
+from training_core.transport.weight_sync import DistributedSync, push_weights
 from training_core.version import PolicyVersion
-from training_core.weight_sync import DistributedSync, push_weights
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def two_servers(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trainer(tiny_model_dir):
-    from training_core.engines.deepspeed_trainer import DeepSpeedTrainer
+    from training_core.trainer.deepspeed_trainer import DeepSpeedTrainer
 
     return DeepSpeedTrainer(tiny_model_dir, lr=1e-3, weight_decay=0.0, grad_clip=1.0,
                             zero_stage=0)

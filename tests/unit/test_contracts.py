@@ -9,8 +9,8 @@ import inspect
 import pytest
 
 from training_core import api
-from training_core.engines.deepspeed_trainer import DeepSpeedTrainer
-from training_core.engines.rollout_client import RolloutClient
+from training_core.trainer.deepspeed_trainer import DeepSpeedTrainer
+from training_core.transport.rollout_client import RolloutClient
 
 
 def _members(protocol: type) -> dict[str, object]:

@@ -16,7 +16,7 @@ import psutil
 import pytest
 from django.db import connection
 
-from training_core.launch import free_port
+from training_core.ports import free_port
 from webapp.tracking.models import MetricPoint, TrajectorySample
 
 ROOT = Path(__file__).resolve().parents[2]

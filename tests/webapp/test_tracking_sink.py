@@ -2,7 +2,7 @@
 
 import pytest
 
-from training_core.launch import free_port
+from training_core.ports import free_port
 from training_core.tracking_sink import HttpSink
 from webapp.runs.models import RunEvent
 from webapp.tracking.models import MetricPoint, TrajectorySample

@@ -31,8 +31,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from training_core.api import GenerationRequest, InferenceEngine, SamplingParams
-from training_core.engines.rollout_client import EpisodeError
+from training_core.api import EpisodeError, GenerationRequest, InferenceEngine, SamplingParams
 from training_core.gateway.chat import ChatRenderer, canonical
 from training_core.gateway.http import (
     EventStream,

@@ -38,8 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from training_core.api import InferenceEngine, TrajectoryGroup
-from training_core.engines.rollout_client import EpisodeError
+from training_core.api import EpisodeError, InferenceEngine, TrajectoryGroup
 from training_core.gateway.chat import ChatRenderer
 from training_core.gateway.credit import BadReward, episode_trajectories
 from training_core.gateway.server import Gateway

@@ -1,6 +1,6 @@
 """Offline evaluation of a run's pushed weights on held-out rows of its dataset.
 
-The model work is the engine's (``training_core.evaluation.evaluate_weights``, the same prompt
+The model work is the engine's (``training_core.offline_eval.evaluate_weights``, the same prompt
 rendering and reward extraction as training); this service picks the weights and rows and records
 the result. It runs in a worker (the ``oolong.evaluation_run`` task), never in a web process.
 """
@@ -20,8 +20,8 @@ def checkpoint_evaluate(*, run_id: int, checkpoint_step: int | None = None, limi
 
     from training_core.checkpoint import pushed_weights
     from training_core.config import spec_from_dict
-    from training_core.evaluation import evaluate_weights
     from training_core.models.paths import run_model_dir
+    from training_core.offline_eval import evaluate_weights
 
     run = Run.objects.select_related("dataset_version", "reward_version").get(id=run_id)
     if not run.reward_version.builtin_name:

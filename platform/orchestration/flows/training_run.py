@@ -34,10 +34,11 @@ from orchestration.tracker import Tracker
 from orchestration.trigger import flow_run_dir, sweep_dir
 from training_core.checkpoint import current_weights
 from training_core.config import RunSpec
-from training_core.engines.rollout_client import RolloutClient
-from training_core.launch import free_port, run_env, server_command, server_process, trainer_command
+from training_core.launch import run_env, server_command, server_process, trainer_command
 from training_core.models.paths import run_model_dir
+from training_core.ports import free_port
 from training_core.processes import Fleet, ManagedProcess, stop_all
+from training_core.transport.rollout_client import RolloutClient
 
 
 @dataclass

@@ -14,7 +14,7 @@ import pytest
 from tests.training_core.scripted_http import ScriptedServer
 from tests.training_core.sglang_contract import check_request
 from training_core.api import GenerationRequest, SamplingParams
-from training_core.engines.rollout_client import (
+from training_core.transport.rollout_client import (
     GenerationAborted,
     RequestRejected,
     RolloutClient,

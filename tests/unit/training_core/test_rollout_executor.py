@@ -235,7 +235,7 @@ def test_with_stragglers_no_consumed_token_is_older_than_eta():
 
 
 def test_an_episode_error_is_counted_and_the_run_goes_on():
-    from training_core.engines.rollout_client import GenerationAborted
+    from training_core.api import GenerationAborted
 
     class FailsOnThree(ScriptedWorkflow):
         async def arun_episode(self, engine, item):
@@ -260,7 +260,7 @@ def test_an_episode_error_is_counted_and_the_run_goes_on():
 
 
 def test_a_stalled_batch_fails_with_the_reason():
-    from training_core.engines.rollout_client import RequestRejected
+    from training_core.api import RequestRejected
     from training_core.rollout import BatchTimeout
 
     rows = [{"i": i} for i in range(50)]

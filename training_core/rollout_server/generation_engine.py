@@ -9,7 +9,7 @@ Engine (one thread, owns the model):
   prefilled on their own and written into free rows between decode steps, so joining never
   recomputes the running sequences. A finished row's slot takes the last row; left padding
   everyone has is trimmed.
-  Requests joining together are prefilled on a prefix forest (``slot_cache.forest_prefill``):
+  Requests joining together are prefilled on a prefix forest (``prefill.forest_prefill``):
   each distinct prefix once, no padding computed. A group's n samples of one prompt are one
   sequence with n copies of its cache; samples sent again after an abort share their prompt and
   the start of their answers (on the long-tail benchmark in abort mode the prefill's share of
@@ -47,13 +47,14 @@ from typing import Any
 
 import torch
 
-from training_core import weight_files
 from training_core.allocator import retain_freed_memory
-from training_core.engines import cpu_kernels
-from training_core.engines.fused_decode import FUSED_DECODE_ENV, FusedDecoder, supports
-from training_core.engines.packed_linear import can_pack, pack_linears, repack
-from training_core.engines.prefix_tree import layer_masks, sliding_window
-from training_core.engines.slot_cache import ATTENTION, SlotCache, forest_prefill
+from training_core.prefix_tree import layer_masks, sliding_window
+from training_core.rollout_server import cpu_kernels
+from training_core.rollout_server.fused_decode import FUSED_DECODE_ENV, FusedDecoder, supports
+from training_core.rollout_server.packed_linear import can_pack, pack_linears, repack
+from training_core.rollout_server.prefill import forest_prefill
+from training_core.rollout_server.slot_cache import ATTENTION, SlotCache
+from training_core.transport import weight_files
 
 log = logging.getLogger("oolong.server")
 
@@ -236,7 +237,7 @@ class GenerationEngine:
         ``load_format: flattened_bucket``) one broadcast of all their bytes back to back; then
         load them. Everything is received before anything is checked: the trainer sends it all
         whatever this side thinks."""
-        from training_core.engines.weight_group import (
+        from training_core.transport.weight_group import (
             broadcast_from_trainer,
             flat_nbytes,
             unflatten,

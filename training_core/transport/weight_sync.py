@@ -39,10 +39,11 @@ from urllib.parse import urlparse
 
 import torch
 
-from training_core.api import TrainEngine, WeightReceiver
+from training_core.api import RolloutServerError, TrainEngine, WeightReceiver
 from training_core.checkpoint import CURRENT_WEIGHTS, pushed_weights
-from training_core.engines.rollout_client import RolloutServerError
-from training_core.engines.weight_group import (
+from training_core.launch import NODE_ADDRESS_ENV
+from training_core.ports import free_port
+from training_core.transport.weight_group import (
     DEFAULT_GROUP_NAME,
     backend_for,
     broadcast_from_trainer,
@@ -50,7 +51,6 @@ from training_core.engines.weight_group import (
     flatten,
     init_weight_update_group,
 )
-from training_core.launch import NODE_ADDRESS_ENV, free_port
 from training_core.version import PolicyVersion
 
 SPARE = ".spare"  # in weights/: a retired version's folder, to be written over (DiskSync)
@@ -163,7 +163,7 @@ class DistributedSync:
     def export(self, trainer: TrainEngine, version: int, *, resumed: bool = False) -> None:
         """Every rank (a collective under ZeRO-3); rank 0 keeps the bucketed weights. The flat
         copies are made here, while generation still runs, not in the pause."""
-        from training_core.engines.deepspeed_trainer import rank_and_world
+        from training_core.world import rank_and_world
 
         weights = trainer.weights()
         if rank_and_world()[0] != 0:

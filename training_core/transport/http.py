@@ -26,7 +26,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from training_core.engines.json_http import get_status
+from training_core.transport.json_http import get_status
 
 
 class ServerError(httpx.HTTPStatusError):

@@ -34,32 +34,18 @@ from typing import Any
 
 import httpx
 
-from training_core.api import GenerationRequest, GenerationResponse
-from training_core.engines.json_http import Connector, JsonHttpClient
-from training_core.http import aretrying
+from training_core.api import (
+    GenerationAborted,
+    GenerationRequest,
+    GenerationResponse,
+    RequestRejected,
+    RolloutServerError,
+)
+from training_core.transport.http import aretrying
+from training_core.transport.json_http import Connector, JsonHttpClient
 from training_core.version import PolicyVersion
 
 log = logging.getLogger(__name__)
-
-
-class RolloutServerError(RuntimeError):
-    """The rollout servers failed (unreachable, 5xx past the retry window, a failed weight load)."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-
-class EpisodeError(RuntimeError):
-    """One episode's request failed on its own account (the run goes on without it)."""
-
-
-class RequestRejected(EpisodeError):
-    """The server answered 4xx: the request is wrong, and sending it again cannot help."""
-
-
-class GenerationAborted(EpisodeError):
-    """The server aborted a request that no pause interrupted, or one was interrupted too often."""
 
 
 @dataclass
@@ -172,7 +158,7 @@ class RolloutClient:
 
     async def _generate_once(self, payload: dict, weight: int = 1) -> dict | list:
         """POST /generate on the least-loaded healthy server; connection errors and 5xx move to
-        another server and retry (the shared policy, training_core.http) until ``retries``
+        another server and retry (the shared policy, training_core.transport.http) until ``retries``
         attempts and ``retry_window_s`` are both spent (a restarted server comes back within
         it). A 4xx is the request's fault and is never retried."""
         try:

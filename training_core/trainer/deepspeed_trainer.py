@@ -8,7 +8,6 @@ minibatch is the boundary, so a variable number of micro-batches needs no fixed 
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Callable
@@ -18,16 +17,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from training_core import weight_files
+from training_core import world as world_
 from training_core.api import TrainBatch
 from training_core.checkpoint import COMPLETE
-from training_core.engines.prefix_tree import (
+from training_core.models.loading import load_model
+from training_core.optim import adamw, keep_fused
+from training_core.prefix_tree import (
     prefix_micro_batches,
     prefix_tree_logprobs,
     sequence_logprobs,
 )
-from training_core.models.loading import load_model
-from training_core.optim import adamw, keep_fused
+from training_core.transport import weight_files
+from training_core.world import barrier, init_distributed, local_rank, rank_and_world
 
 
 def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -60,72 +61,6 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for name, value in list(vars(model.config).items()):
         if "dropout" in name and isinstance(value, float):
             setattr(model.config, name, 0.0)
-
-
-def init_distributed(backend: str = "auto") -> None:
-    import deepspeed
-    import torch.distributed as dist
-
-    from training_core.launch import free_port
-
-    if dist.is_available() and dist.is_initialized():
-        return
-    # Single process by default; under the deepspeed launcher these are already set. The
-    # rendezvous address we set is removed afterwards: child processes (a trainer started from
-    # here) must not inherit a port that this process's store already holds. DeepSpeed reads
-    # LOCAL_RANK later, so the ranks stay.
-    defaults = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-                "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    added = [k for k in defaults if k not in os.environ]
-    for k in added:
-        os.environ[k] = defaults[k]
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    try:
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    finally:
-        for k in set(added) & {"MASTER_ADDR", "MASTER_PORT"}:
-            os.environ.pop(k, None)
-
-
-def rank_and_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def local_rank() -> int:
-    """This process's rank on its node (the launchers set ``LOCAL_RANK``; 0 alone)."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def barrier() -> None:
-    """Wait for every trainer rank (nothing to wait for with one process)."""
-    if rank_and_world()[1] > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
-def finish_distributed() -> None:
-    """Leave together and tear the default group down: a rank that exits while another still
-    holds its gloo pair can abort at exit, and the launcher then reports a finished run as
-    failed."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        barrier()
-        dist.destroy_process_group()
-
-
-def _all_reduce_sum(values: list[float]) -> list[float]:
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.tolist()
 
 
 class DeepSpeedTrainer:
@@ -268,7 +203,7 @@ class DeepSpeedTrainer:
             if world > 1:
                 # DeepSpeed averages gradients over ranks; normalising each rank's sum by
                 # (global tokens / world) makes that average the global token mean.
-                num_tokens = _all_reduce_sum([num_tokens])[0] / world
+                num_tokens = world_.all_reduce_sum([num_tokens])[0] / world
             kept = chunk if wanted is None else [r for r in chunk if r in wanted] or chunk[:1]
             totals["computed_rows"] += len(kept)
             sub = batch.select(kept)
@@ -311,7 +246,7 @@ class DeepSpeedTrainer:
         if world > 1:  # metrics describe the global batch
             keys = ["loss", "tokens", "computed_tokens", "clipped", "behav_weight_sum",
                     "behav_masked", "kl_sum", "computed_rows"]
-            summed = _all_reduce_sum([totals[k] for k in keys])
+            summed = world_.all_reduce_sum([totals[k] for k in keys])
             totals.update(dict(zip(keys, summed, strict=True)))
             totals["loss"] /= world
         return {**totals, **clock}

@@ -27,8 +27,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from training_core.engines.engine_process import EngineProcess
-from training_core.engines.weight_group import DEFAULT_GROUP_NAME
+from training_core.rollout_server.engine_process import EngineProcess
+from training_core.transport.weight_group import DEFAULT_GROUP_NAME
 
 # -------------------------------------------------------------------------------------------
 # Request models

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from training_core.engines.generation_engine import GenerationEngine, Seq
-from training_core.engines.weight_group import (
+from training_core.rollout_server.generation_engine import GenerationEngine, Seq
+from training_core.transport.weight_group import (
     destroy_weight_update_group,
     init_weight_update_group,
 )

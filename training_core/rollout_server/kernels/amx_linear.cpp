@@ -1,5 +1,5 @@
 // The engine's bf16 linear layers on Intel AMX: out[M, N] = x[M, K] . W[N, K]^T with the decode
-// step's epilogues fused (a residual add; SiLU(gate) * up). See training_core/engines/fused_decode.py
+// step's epilogues fused (a residual add; SiLU(gate) * up). See training_core/rollout_server/fused_decode.py
 // for why; built with the other kernels (cpu_kernels.py), and only where the compiler targets AMX.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -1,6 +1,6 @@
 // The embedded engine's decode-step kernels on CPU: attention (one query per row over that row's
 // cached keys and values, grouped-query heads, the rotary embedding and the cache write folded
-// in) and RMSNorm. See training_core/engines/cpu_kernels.py for why.
+// in) and RMSNorm. See training_core/rollout_server/cpu_kernels.py for why.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -67,9 +67,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from training_core.engines import cpu_kernels
-from training_core.engines.packed_linear import PACK_ROWS_HINT, PackedLinear
-from training_core.engines.slot_cache import SlotCache, attention
+from training_core.rollout_server import cpu_kernels
+from training_core.rollout_server.packed_linear import PACK_ROWS_HINT, PackedLinear
+from training_core.rollout_server.slot_cache import SlotCache, attention
 
 log = logging.getLogger("oolong.server")
 _linear = torch.ops.mkldnn._linear_pointwise

@@ -9,7 +9,7 @@
 //   the products per instruction.
 // Either way a bf16 product is exact in fp32 and the sums are fp32; only their order differs
 // from oneDNN's. (In pairs, subnormal bf16 inputs count as zero, vdpbf16ps's rule: below 1e-38,
-// which a model's weights and activations are not.) See training_core/engines/fused_decode.py.
+// which a model's weights and activations are not.) See training_core/rollout_server/fused_decode.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

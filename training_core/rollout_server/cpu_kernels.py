@@ -25,7 +25,7 @@ AVX2 CPU were compiled to memory operations, and its fp32 attention then ran at 
 The build is torch's own (``torch.utils.cpp_extension``, ninja, the system's C++ compiler) with
 ``-march=native``, into ``$OOLONG_CACHE/kernels/<key>`` where the key covers the source, torch's
 version and this CPU's feature flags: a cache copied to another machine is rebuilt, not run on
-instructions it lacks. About 15 s once per machine; ``python -m training_core.engines.cpu_kernels``
+instructions it lacks. About 15 s once per machine; ``python -m training_core.rollout_server.cpu_kernels``
 builds ahead (scripts/test.sh does). Where it cannot be built (no compiler) or
 ``OOLONG_CPU_KERNELS=0``, :func:`decode_attention` is None and the engine keeps torch's path.
 """
@@ -349,7 +349,7 @@ def measured(kernel: Projections, kernel_step: Callable[[int], None],
     return replace(kernel, measure=False, won=frozenset(won)) if won else None
 
 
-if __name__ == "__main__":  # build ahead: `python -m training_core.engines.cpu_kernels`
+if __name__ == "__main__":  # build ahead: `python -m training_core.rollout_server.cpu_kernels`
     # Fails (exit 1) when they cannot be built, so that a broken kernel fails the test suite
     # instead of being skipped; OOLONG_CPU_KERNELS=0 skips them on purpose.
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -20,28 +20,18 @@ SDPA kernel handled those shapes one (row, head) at a time, ~40% of a decode ste
 More than one query (a prefill) goes to SDPA. Masks are prepared 4D booleans (``True``: attend),
 which transformers passes through as they are.
 
-Prefill: :func:`forest_prefill` runs the joining sequences as a prefix forest
-(``prefix_tree.prefill_forest``) and gathers each sequence's keys and values from its nodes.
+Prefill: ``prefill.forest_prefill`` computes a joining group's keys and values, which
+:meth:`SlotCache.join` takes.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, DynamicCache
-
-from training_core.engines.prefix_tree import layer_masks, prefill_forest
-
-if TYPE_CHECKING:  # fused_decode imports this module
-    from training_core.engines.fused_decode import FusedDecoder
+from transformers import AttentionInterface
 
 ATTENTION = "oolong_slots"
 LEFT_HEADROOM = 32  # columns kept free left of a new window, for longer joiners
-# Nodes per row of a prefill forest: attention over a row costs its width squared, the linear
-# layers its node count, so rows of a few hundred nodes keep attention a small share.
-PREFILL_ROW_NODES = 256
 FULL_WIDTH_STEP = 32  # columns a full-width buffer grows by, at least (see SlotCache._room)
 KEY_BLOCK = 32  # columns per block of keys in cpu_kernels' layout (kernels/decode_step.cpp BLOCK)
 
@@ -334,44 +324,3 @@ class BlockedKeys:
 
 def _uninitialized(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-def forest_prefill(model: torch.nn.Module, seqs: list[list[int]], device: torch.device,
-                   fused: FusedDecoder | None = None
-                   ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
-    """Prefill ``seqs`` on a prefix forest (``prefix_tree.prefill_forest``): every distinct
-    prefix once, no padding computed. Returns each layer's keys and values per sequence,
-    left-padded ([U, Hkv, P, D], what :meth:`SlotCache.join` takes), the mask [U, P] and the
-    logits after each sequence's last token [U, V]. With ``fused`` (the engine's decoder for
-    ``model``) the forward is its :meth:`~FusedDecoder.prefill`, else transformers'."""
-    forest = prefill_forest(seqs, PREFILL_ROW_NODES)
-    depths = forest.position_ids.to(device)
-    rows = len(depths)
-    masks = layer_masks(model.config, forest.allowed.to(device),
-                        depths.view(rows, 1, -1, 1) - depths.view(rows, 1, 1, -1))
-    # Logits only where a sequence ends (the columns holding some row's last node): over every
-    # node, the vocabulary projection of a batch of 64 forty-token prompts was 145 GFLOP and a
-    # 500 MB tensor, for 64 rows of it.
-    cols = forest.input_ids.shape[1]
-    last = forest.last.to(device)
-    keep = torch.unique(last % cols)  # sorted
-    if fused is not None:
-        computed, kept_logits = fused.prefill(forest.input_ids.to(device), depths, masks, keep)
-    else:
-        cache = DynamicCache()
-        out = model(input_ids=forest.input_ids.to(device), attention_mask=masks,
-                    position_ids=depths, past_key_values=cache, use_cache=True, logits_to_keep=keep)
-        computed = [(layer.keys, layer.values) for layer in cache.layers]
-        kept_logits = out.logits.reshape(-1, out.logits.shape[-1])
-    nodes = forest.nodes.to(device)
-    units, width = nodes.shape
-
-    def columns(t: torch.Tensor) -> torch.Tensor:  # [R, Hkv, W, D] -> [U, Hkv, P, D]
-        flat = t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
-        return flat.index_select(0, nodes.view(-1)).view(units, width, *flat.shape[1:]).transpose(1, 2)
-
-    layers_kv = [(columns(keys), columns(values)) for keys, values in computed]
-    kept = (last // cols) * len(keep) + torch.searchsorted(keep, last % cols)  # in [R, C]
-    logits = kept_logits.index_select(0, kept)
-    return layers_kv, forest.mask.to(device), logits
-

@@ -1,0 +1,100 @@
+"""The trainer's world: its ranks, and every collective the trainer's processes make.
+
+One module owns them so that the rule NCCL imposes is decided once: a collective's tensors live
+on the group's device (``cuda:<local rank>`` under NCCL, the CPU under gloo). gloo accepts CPU
+tensors where NCCL refuses them ("No backend type associated with device type cpu"), so a CPU
+test run would never see a misplaced tensor; here every tensor is placed by :func:`group_device`,
+and a test declares an NCCL group with a recording stand-in to check it. Nothing else in
+training_core calls a ``torch.distributed`` collective (a test greps for it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def init_distributed(backend: str = "auto") -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    from training_core.ports import free_port
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    # Single process by default; under the deepspeed launcher these are already set. The
+    # rendezvous address we set is removed afterwards: child processes (a trainer started from
+    # here) must not inherit a port that this process's store already holds. DeepSpeed reads
+    # LOCAL_RANK later, so the ranks stay.
+    defaults = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+                "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    added = [k for k in defaults if k not in os.environ]
+    for k in added:
+        os.environ[k] = defaults[k]
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    try:
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    finally:
+        for k in set(added) & {"MASTER_ADDR", "MASTER_PORT"}:
+            os.environ.pop(k, None)
+
+
+def rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def local_rank() -> int:
+    """This process's rank on its node (the launchers set ``LOCAL_RANK``; 0 alone)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def barrier() -> None:
+    """Wait for every trainer rank (nothing to wait for with one process)."""
+    if rank_and_world()[1] > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def finish_distributed() -> None:
+    """Leave together and tear the default group down: a rank that exits while another still
+    holds its gloo pair can abort at exit, and the launcher then reports a finished run as
+    failed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        barrier()
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """``values`` summed over the ranks (every rank calls it with as many values)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_reduce_max(values: list[float]) -> list[float]:
+    """``values``' maxima over the ranks."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Rank ``src``'s ``obj`` on every rank (picklable objects)."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
