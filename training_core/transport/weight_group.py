@@ -14,11 +14,15 @@ The backend is gloo for CPU tensors and nccl for CUDA ones (one code path, chose
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from training_core import world
 
 DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default for every *WeightsUpdateGroup* call
 
@@ -38,11 +42,34 @@ def init_weight_update_group(*, master_address: str, master_port: int, rank: int
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
                           timeout=timeout, wait_for_workers=False)
     store = dist.PrefixStore(group_name, store)
-    group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], dist.Backend(backend), store, group_name=group_name, timeout=timeout)
+    with _default_group_unbound():
+        group, _ = c10d._new_process_group_helper(
+            world_size, rank, [], dist.Backend(backend), store, group_name=group_name,
+            timeout=timeout)
     # Group ranks are global ranks in this group's own world (what broadcast's ``src`` means).
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+@contextmanager
+def _default_group_unbound() -> Iterator[None]:
+    """The trainer's default group, seen as not bound to a device while the weight group is made.
+
+    DeepSpeed binds the trainer's default group to the rank's GPU (``device_id``) when it has more
+    than one rank, and torch then makes every new NCCL group by ``ncclCommSplit`` of the default
+    communicator: a split all the trainer's ranks must join, while only rank 0 joins this group,
+    so rank 0 would wait forever. The weight group shares no rank with the trainer's group but
+    rank 0, so it must be a communicator of its own (NVIDIA-NeMo/RL#3189 does the same)."""
+    default = c10d._world.default_pg if dist.is_initialized() else None
+    bound = getattr(default, "bound_device_id", None)
+    if bound is None:
+        yield
+        return
+    default.bound_device_id = None
+    try:
+        yield
+    finally:
+        default.bound_device_id = bound
 
 
 def destroy_weight_update_group(group: dist.ProcessGroup | None) -> None:
@@ -53,9 +80,7 @@ def destroy_weight_update_group(group: dist.ProcessGroup | None) -> None:
 def broadcast_from_trainer(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
     """One broadcast per tensor, in order, from rank 0 (the trainer sends, servers receive into
     the tensors they allocated from ``names``/``dtypes``/``shapes``)."""
-    handles = [dist.broadcast(t, group=group, group_src=0, async_op=True) for t in tensors]
-    for h in handles:
-        h.wait()
+    world.broadcast_tensors(tensors, group, src=0)
 
 
 # SGLang's ``load_format: "flattened_bucket"``: a bucket's tensors travel as one uint8 buffer,
