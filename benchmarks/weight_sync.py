@@ -53,7 +53,7 @@ async def _pause_push_resume(client: RolloutClient, sync: WeightSync, version: i
 
 def bench_model(name: str, rounds: int, work: Path) -> dict:
     model_dir = resolve_model_dir(name)
-    fleet = start_embedded_fleet(str(model_dir), 1, work / name / "logs")
+    fleet = start_embedded_fleet(str(model_dir), 1, work / name / "logs", dtype="float32")
     trainer = DeepSpeedTrainer(model_dir, lr=1e-4, weight_decay=0.0, grad_clip=1.0, zero_stage=0)
     client = RolloutClient(fleet.urls)
     loop = asyncio.new_event_loop()

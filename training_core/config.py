@@ -155,10 +155,14 @@ class AgentSpec(_Section):
 
 class RolloutSpec(_Section):
     backend: Literal["embedded", "sglang"] = Field("embedded", description=(
-        "embedded: Oolong's transformers server (CPU machines, tests); sglang: an SGLang fleet"))
+        "which rollout server the run has, started here or given in server_urls (the one rule: "
+        "it decides the launch, the pause mode and the cache flush; the client checks the "
+        "servers it reaches say the same). embedded: Oolong's server (CPU machines, tests); "
+        "sglang: SGLang"))
     num_servers: int = Field(1, ge=1, description="rollout servers the run starts")
     server_urls: list[str] = Field(default_factory=list, description=(
-        "already running servers to use instead of starting them (the SGLang fleet)"))
+        "already running servers to use instead of starting them (of rollout.backend's kind; "
+        "their key, if they require one, in OOLONG_SERVER_KEY)"))
     max_concurrent: int = Field(64, ge=1, description="M: max episodes in flight")
     max_staleness: int = Field(1, ge=0, description="eta: 0 means synchronous RL")
     # Strict per-token bound at consume time: a sample whose oldest output token is older than
@@ -198,6 +202,11 @@ class RolloutSpec(_Section):
     server_threads: int = Field(1, ge=1, description="torch threads per embedded server")
     tp: int = Field(1, ge=1, description=(
         "GPUs each rollout server owns: SGLang's --tp-size, and its CUDA_VISIBLE_DEVICES"))
+    mem_fraction: float | None = Field(None, gt=0, lt=1, description=(
+        "SGLang's --mem-fraction-static (weights and KV cache, of its GPU). Default: on a GPU the "
+        "server shares with a trainer rank, what the trainer leaves (training_core/gpu_memory.py; "
+        "a plan that cannot fit is refused naming the numbers); on a GPU of its own, SGLang's "
+        "own sizing"))
     max_batch_size: int = Field(256, ge=1, description="embedded server decode batch")
 
     @field_validator("workflow")

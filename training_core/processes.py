@@ -36,7 +36,7 @@ ENV_ALLOW = frozenset({
     "TRANSFORMERS_OFFLINE", "OOLONG_CACHE", "OOLONG_NODE_ADDRESS", "OOLONG_CHECKPOINT_STORE",
     "OOLONG_RUN_ID",  # marks every process of a run (what an operator greps /proc for)
     "OOLONG_PROCESS_TAG",  # marks the processes a ManagedProcess started (stop_all finds them)
-    "OOLONG_PORT_RANGE",  # the ports a node's processes may listen on (launch.free_port)
+    "OOLONG_PORT_RANGE",  # the ports a node's processes may listen on (ports.free_port)
     "OOLONG_FUSED_DECODE",  # "0": the embedded servers decode through transformers' forward
     # "0": without the engine's C++ kernels / its AMX / its AVX-512 / its AVX2 projections
     "OOLONG_CPU_KERNELS", "OOLONG_AMX", "OOLONG_AVX512_LINEAR", "OOLONG_AVX2_LINEAR",
@@ -44,7 +44,13 @@ ENV_ALLOW = frozenset({
     "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
     "http_proxy", "https_proxy", "no_proxy",
 })
-ENV_ALLOW_PREFIXES = ("NCCL_", "GLOO_", "AWS_", "GOOGLE_APPLICATION_", "AZURE_STORAGE_")
+# Families a GPU process reads: NCCL and gloo; CUDA (CUDA_HOME, CUDA_DEVICE_MAX_CONNECTIONS), the
+# torch allocator and compiler (PYTORCH_CUDA_ALLOC_CONF, TORCH_*, TORCHINDUCTOR_*, TRITON_*),
+# SGLang (SGLANG_*) and its flashinfer kernels (FLASHINFER_*), libfabric for EFA (FI_*); the
+# durable store's credentials.
+ENV_ALLOW_PREFIXES = ("NCCL_", "GLOO_", "CUDA_", "PYTORCH_CUDA_", "TORCH_", "TORCHINDUCTOR_",
+                      "TRITON_", "SGLANG_", "FLASHINFER_", "FI_", "AWS_", "GOOGLE_APPLICATION_",
+                      "AZURE_STORAGE_")
 
 
 def process_env(extra: dict[str, str] | None = None,

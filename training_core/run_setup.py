@@ -11,6 +11,7 @@ that were in flight, truncated metric lines, the servers brought to the checkpoi
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from training_core.checkpoint import checkpoint_dir, latest_checkpoint
 from training_core.checkpoint_store import CheckpointStore
 from training_core.config import RunSpec, dump_spec
 from training_core.data.datasets import PromptLoader, load_data
-from training_core.launch import start_embedded_fleet
+from training_core.launch import SERVER_KEY_ENV, new_server_key, start_fleet
 from training_core.metrics import JsonlSink, MultiSink, truncate_metrics
 from training_core.models.loading import load_tokenizer
 from training_core.models.paths import run_model_dir
@@ -128,15 +129,16 @@ def build_run(spec: RunSpec, *, resume_dir: str | Path | None = None,
     # ---- rank 0: the rollout side ---------------------------------------------------------------
     run.tokenizer = load_tokenizer(model_dir)
     data = load_data(spec.data, spec.seed)
+    server_key = os.environ.get(SERVER_KEY_ENV) or new_server_key()
+    os.environ[SERVER_KEY_ENV] = server_key  # the client sends it (servers started here require it)
     if spec.rollout.server_urls:
         urls = list(spec.rollout.server_urls)
     else:
         # A resumed run samples with a fresh seed: replaying the first run's random stream would
         # repeat its samples.
-        run.fleet = start_embedded_fleet(
-            str(model_dir), spec.rollout.num_servers, run_dir / "logs",
-            threads=spec.rollout.server_threads, max_batch_size=spec.rollout.max_batch_size,
-            seed=server_seed(spec.seed, policy.current), weight_version=0, dtype=spec.model.dtype)
+        run.fleet = start_fleet(spec, model_dir, run_dir, seed=server_seed(spec.seed, policy.current),
+                                gpus=torch.cuda.device_count(), trainer_gpus=world,
+                                server_key=server_key)
         urls = run.fleet.urls
     run.client = RolloutClient(urls, timeout_s=spec.rollout.request_timeout_s,
                                max_interruptions=spec.rollout.max_interruptions,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from orchestration.providers.base import NodeInventory, node_queue
 from training_core.config import RunSpec
+from training_core.launch import single_machine_gpus
 
 
 class PlacementError(ValueError):
@@ -76,6 +77,10 @@ class Placement:
                              for t in self.trainers],
                 "servers": [{"index": s.index, "node": node_queue(s.node), "tp": s.tp,
                              "gpus": list(s.gpus)} for s in self.servers]}
+
+    def shares_trainer_gpu(self, server: ServerSlot) -> bool:
+        """Whether a trainer rank runs on one of ``server``'s GPUs (a shared plan)."""
+        return any(t.node == server.node and set(t.gpus) & set(server.gpus) for t in self.trainers)
 
     def bundles(self) -> list[dict[str, float]]:
         """The plan as Ray placement-group bundles (one per rank or server)."""
@@ -135,12 +140,15 @@ def plan(spec: RunSpec, inventory: NodeInventory, available: list[int] | None = 
 
 def shared_plan(spec: RunSpec, inventory: NodeInventory) -> Placement:
     """One machine whose GPUs cannot give every server its own and still leave the trainer one
-    (one GPU, one embedded server): the old rule, everything shares, the trainer a rank per GPU
-    and the servers no device assignment."""
-    gpus = tuple(range(inventory.head.gpus))
-    return Placement((TrainerSlot(0, 0, gpus),),
-                     tuple(ServerSlot(i, 0, (), spec.rollout.tp)
-                           for i in range(spec.rollout.num_servers)))
+    (one GPU and one server): the servers take disjoint GPUs, the trainer a rank on every GPU,
+    sharing theirs (``launch.single_machine_gpus``, the rule ``oolong train`` follows too; it
+    refuses what NCCL or the GPU count cannot do, named here as a placement error)."""
+    try:
+        trainer, servers = single_machine_gpus(spec, inventory.head.gpus)
+    except ValueError as exc:
+        raise PlacementError(str(exc)) from None
+    return Placement((TrainerSlot(0, 0, trainer),),
+                     tuple(ServerSlot(i, 0, gpus, spec.rollout.tp) for i, gpus in enumerate(servers)))
 
 
 def _plan_on(spec: RunSpec, inventory: NodeInventory, available: list[int]) -> Placement:

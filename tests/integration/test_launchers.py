@@ -76,8 +76,8 @@ def test_sglang_runs_from_its_own_environment(monkeypatch):
     from training_core.launch import sglang_server_command
 
     monkeypatch.delenv("OOLONG_SGLANG_PYTHON", raising=False)
-    assert sglang_server_command("/m", 30000)[0] == sys.executable
+    assert sglang_server_command("/m", 30000, dtype="bfloat16")[0] == sys.executable
     monkeypatch.setenv("OOLONG_SGLANG_PYTHON", "/opt/sglang/venv/bin/python")
-    cmd = sglang_server_command("/m", 30000, tp=4)
+    cmd = sglang_server_command("/m", 30000, tp=4, dtype="bfloat16")
     assert cmd[:3] == ["/opt/sglang/venv/bin/python", "-m", "sglang.launch_server"]
     assert cmd[cmd.index("--tp-size") + 1] == "4"

@@ -232,4 +232,31 @@ def test_one_machine_that_cannot_split_its_gpus_shares_them():
     with pytest.raises(PlacementError):
         plan(spec, _gpu_nodes(1))  # the server would take the only GPU
     p = shared_plan(spec, _gpu_nodes(1))
-    assert p.trainers[0].gpus == (0,) and [s.gpus for s in p.servers] == [()]
+    assert p.trainers[0].gpus == (0,) and [s.gpus for s in p.servers] == [(0,)]
+    assert p.shares_trainer_gpu(p.servers[0])
+
+
+def test_a_shared_plan_gives_each_server_gpus_of_its_own():
+    """Servers share GPUs with the trainer, never with each other: two servers on two GPUs were
+    both stacked on GPU 0 (each saw every GPU and took the first)."""
+    from orchestration.placement import shared_plan
+
+    p = shared_plan(load_spec(None, ["rollout.num_servers=2"]), _gpu_nodes(2))
+    assert [s.gpus for s in p.servers] == [(0,), (1,)]
+    assert p.trainers[0].gpus == (0, 1)
+    p = shared_plan(load_spec(None, ["rollout.num_servers=2", "rollout.tp=2"]), _gpu_nodes(4))
+    assert [s.gpus for s in p.servers] == [(0, 1), (2, 3)]
+    # a machine without GPUs: nobody owns one
+    p = shared_plan(load_spec(None, ["rollout.num_servers=3"]), _gpu_nodes(0))
+    assert [s.gpus for s in p.servers] == [(), (), ()] and not p.shares_trainer_gpu(p.servers[0])
+
+
+def test_a_shared_plan_refuses_what_the_gpus_or_nccl_cannot_do():
+    from orchestration.placement import PlacementError, shared_plan
+
+    with pytest.raises(PlacementError, match=r"needs 4 GPUs and this machine has 2"):
+        shared_plan(load_spec(None, ["rollout.num_servers=2", "rollout.tp=2"]), _gpu_nodes(2))
+    # trainer rank 0 and server 0 would be two ranks of one NCCL group on GPU 0
+    with pytest.raises(PlacementError, match=r"weight_sync=distributed.*NCCL refuses.*"
+                                             r"weight_sync=disk"):
+        shared_plan(load_spec(None, ["weight_sync=distributed"]), _gpu_nodes(1))

@@ -24,7 +24,7 @@ def start_server(model_dir: Path, log_path: Path, seed: int = 0) -> tuple[Fleet,
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = server_process("test server", embedded_server_command(
-        str(model_dir), port, seed=seed, parent_pid=os.getpid()), url, log_path,
+        str(model_dir), port, seed=seed, parent_pid=os.getpid(), dtype="float32"), url, log_path,
         env={**os.environ, "OMP_NUM_THREADS": "1"}).start()
     fleet = Fleet(urls=[url], servers=[server])
     fleet.wait_healthy(120)

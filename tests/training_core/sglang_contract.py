@@ -159,7 +159,9 @@ def release_cli_flags(root: Path) -> set[str]:
     import re
 
     flags: set[str] = set()
-    for path in (root / "sglang/srt/arg_groups/fields").glob("*.py"):
+    # the fields, and the flags the parser adds itself (--config: a YAML file of the same keys)
+    for path in [*(root / "sglang/srt/arg_groups/fields").glob("*.py"),
+                 root / "sglang/srt/server_args.py"]:
         text = path.read_text()
         flags |= {"--" + m.replace("_", "-")
                   for m in re.findall(r"^    ([a-z][a-z0-9_]*): A\[", text, re.M)}

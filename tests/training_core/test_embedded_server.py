@@ -339,7 +339,7 @@ def test_a_server_whose_engine_cannot_start_exits_and_says_why(tmp_path):
 
     log = tmp_path / "server.log"
     with log.open("w") as out:
-        proc = subprocess.run(embedded_server_command(str(tmp_path / "no-model"), 1), stdout=out,
+        proc = subprocess.run(embedded_server_command(str(tmp_path / "no-model"), 1, dtype="float32"), stdout=out,
                               stderr=subprocess.STDOUT, timeout=120)
     assert proc.returncode != 0
     assert "the engine failed to start" in log.read_text()

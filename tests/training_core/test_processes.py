@@ -215,7 +215,7 @@ def test_an_embedded_fleet_does_not_inherit_secrets(tiny_model_dir, tmp_path, mo
     from training_core.launch import start_embedded_fleet
 
     monkeypatch.setenv("DJANGO_SECRET_KEY", "do-not-leak")
-    fleet = start_embedded_fleet(str(tiny_model_dir), 1, tmp_path)
+    fleet = start_embedded_fleet(str(tiny_model_dir), 1, tmp_path, dtype="float32")
     try:
         environ = open(f"/proc/{fleet.servers[0].pid}/environ", "rb").read().split(b"\0")
     finally:

@@ -99,9 +99,33 @@ def test_the_fixture_models_are_the_releases(source):
         assert set(spec["required"]) == required, (name, spec["required"], required)
 
 
-def test_the_launch_flags_are_the_releases(source):
-    cmd = sglang_server_command("/models/m", 30001, tp=2)
+def test_the_launch_flags_are_the_releases(source, tmp_path):
+    cmd = sglang_server_command("/models/m", 30001, tp=2, dtype="bfloat16", mem_fraction=0.5,
+                                config=tmp_path / "keys.yaml")
     flags = {a for a in cmd if a.startswith("--")}
-    assert {"--tp-size", "--weight-version", "--mem-fraction-static"} <= flags
+    assert {"--tp-size", "--weight-version", "--mem-fraction-static", "--dtype",
+            "--skip-tokenizer-init", "--config"} <= flags
     missing = flags - release_cli_flags(source)
     assert not missing, f"SGLang {SGLANG_VERSION} has no server flags {missing}"
+
+
+def test_the_key_file_is_read_by_the_releases_config_merger(source, tmp_path):
+    """The run's API keys reach SGLang through ``--config``: the release's own merger turns the
+    file the launcher writes into ``--api-key``/``--admin-api-key``, which its parser knows."""
+    import argparse
+    import importlib.util
+
+    from training_core.launch import sglang_key_file
+
+    path = source / "sglang/srt/utils/server_args_config_parser.py"
+    spec = importlib.util.spec_from_file_location("sglang_config_parser", path)
+    merger_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merger_module)
+    parser = argparse.ArgumentParser()
+    for flag in ("--api-key", "--admin-api-key", "--config", "--port"):
+        parser.add_argument(flag)
+    merged = merger_module.ConfigArgumentMerger(parser).merge_config_with_args(
+        ["--port", "30000", "--config", str(sglang_key_file(tmp_path, 0, "k3y"))])
+    args = parser.parse_args(merged)
+    assert (args.api_key, args.admin_api_key, args.port) == ("k3y", "k3y", "30000")
+    assert {"--api-key", "--admin-api-key"} <= release_cli_flags(source)

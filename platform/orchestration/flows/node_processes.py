@@ -37,13 +37,16 @@ from training_core.checkpoint_store import STORE_ENV, CheckpointStore
 from training_core.config import RunSpec
 from training_core.launch import (
     NODE_ADDRESS_ENV,
-    free_port,
+    check_nccl,
     run_env,
     server_command,
+    server_env,
+    server_mem_fraction,
     server_process,
     trainer_command,
 )
 from training_core.models.paths import run_model_dir
+from training_core.ports import free_port
 from training_core.processes import ManagedProcess
 from training_core.remote_run import prepare_remote_run
 
@@ -183,11 +186,14 @@ def rollout_server(run_id: int, tracker_url: str, ingest_token: str, index: int,
     spec, _ = prepare_node_run(tracker_url, ingest_token, run_dir)
     host, port = node_address(), port or free_port()
     url = f"http://{host}:{port}"
-    cmd = server_command(spec, str(run_model_dir(spec, run_dir)), port, index, host=host,
-                         parent_pid=os.getpid())
+    model_dir = str(run_model_dir(spec, run_dir))
+    check_nccl(spec)
+    # A placed server never shares a GPU with a trainer rank (the plan gives disjoint GPUs).
+    cmd = server_command(spec, model_dir, port, index, host=host, parent_pid=os.getpid(),
+                         mem_fraction=server_mem_fraction(spec, model_dir, shares_trainer_gpu=False))
     proc = server_process(f"rollout server {index}", cmd, url,
                           run_dir / "logs" / f"rollout-server-{index}.log",
-                          run_env(run_dir, run_id, gpus)).start()
+                          server_env(spec, run_dir, run_id, gpus)).start()
     proc.wait_healthy(health_timeout_s)
     Variable.set(server_variable(run_id, index), url, overwrite=True)
     logger.info("rollout server %d serving at %s", index, url)

@@ -34,7 +34,15 @@ from orchestration.tracker import Tracker
 from orchestration.trigger import flow_run_dir, sweep_dir
 from training_core.checkpoint import current_weights
 from training_core.config import RunSpec
-from training_core.launch import run_env, server_command, server_process, trainer_command
+from training_core.launch import (
+    check_nccl,
+    run_env,
+    server_command,
+    server_env,
+    server_mem_fraction,
+    server_process,
+    trainer_command,
+)
 from training_core.models.paths import run_model_dir
 from training_core.ports import free_port
 from training_core.processes import Fleet, ManagedProcess, stop_all
@@ -69,17 +77,22 @@ def warm_start(spec: RunSpec, spec_path: Path, run_dir: Path,
 def start_rollout_fleet(spec: RunSpec, run_dir: Path, inventory: NodeInventory,
                         placement: Placement) -> Fleet:
     model_dir = str(run_model_dir(spec, run_dir))
+    check_nccl(spec)
     fleet = Fleet(urls=[])
     host = inventory.head.address
     for slot in placement.servers:
         port = free_port()
         url = f"http://{host}:{port}"
         fleet.urls.append(url)
-        cmd = server_command(spec, model_dir, port, slot.index, parent_pid=os.getpid())
+        fraction = server_mem_fraction(
+            spec, model_dir, shares_trainer_gpu=placement.shares_trainer_gpu(slot),
+            gpu_index=slot.gpus[0] if slot.gpus else 0, trainer_ranks=placement.trainers[0].nproc)
+        cmd = server_command(spec, model_dir, port, slot.index, parent_pid=os.getpid(),
+                             mem_fraction=fraction)
         fleet.servers.append(server_process(
             f"rollout server {slot.index}", cmd, url,
             run_dir / "logs" / f"rollout-server-{slot.index}.log",
-            run_env(run_dir, gpus=slot.gpus)).start())
+            server_env(spec, run_dir, gpus=slot.gpus)).start())
     return fleet
 
 
