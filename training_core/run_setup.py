@@ -40,6 +40,7 @@ from training_core.staleness import StalenessManager
 from training_core.thread_share import ThreadShare
 from training_core.trainer.deepspeed_trainer import DeepSpeedTrainer
 from training_core.transport.rollout_client import RolloutClient
+from training_core.transport.server_kind import check_server_kind
 from training_core.transport.weight_sync import WeightSync, make_weight_sync, push_weights
 from training_core.version import PolicyVersion
 from training_core.workflows import load_workflow
@@ -149,6 +150,7 @@ def build_run(spec: RunSpec, *, resume_dir: str | Path | None = None,
     loader = PromptLoader(data.train, spec.seed)
     run.sink = sink or make_sinks(spec, run_dir)
     run.control = asyncio.new_event_loop()
+    run.control.run_until_complete(check_server_kind(run.client, spec.rollout.backend))
     run.control.run_until_complete(sync.connect(run.client))
     _resume_rollout(run, resumed, loader, bool(resume_dir))
 
