@@ -105,7 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true")
     s.add_argument("overrides", nargs="*")
     s.set_defaults(fn=cmd_sft)
-    v = sub.add_parser("serve", help="the embedded rollout server (SGLang API)")
+    # The server parses its own flags (python -m training_core.rollout_server.server --help):
+    # argparse's REMAINDER does not take a first argument that looks like an option, so
+    # `oolong serve --model-path DIR` was "unrecognized arguments"; parse() hands them on.
+    v = sub.add_parser("serve", help="the embedded rollout server (SGLang API); its flags: "
+                       "oolong serve --help-server", add_help=False)
     v.add_argument("server_args", nargs=argparse.REMAINDER)
     v.set_defaults(fn=cmd_serve)
     from training_core.runs_cli import add_runs_parser, add_sweeps_parser
@@ -115,10 +119,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as ``main`` runs it; nothing is executed (the documented forms are
+    checked with it, tests/unit/training_core/test_cli_docs.py)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # everything after it is the server's own
+        rest = ["--help" if a == "--help-server" else a for a in argv[1:]]
+        return argparse.Namespace(command="serve", fn=cmd_serve, server_args=rest)
+    return build_parser().parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     if args.command in ("runs", "sweeps"):
         from training_core.runs_cli import run_command
 
