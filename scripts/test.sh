@@ -21,6 +21,20 @@ if [ ! -x "$CHECKOV_ENV/bin/checkov" ]; then
   "$CHECKOV_ENV/bin/pip" install -q --disable-pip-version-check -c constraints.txt checkov
 fi
 mkdir -p test-artifacts
+# SGLang's pinned wheel, unpacked (never installed): the oracle the contract and parity tests read
+# and partly execute (tests/training_core/sglang_oracle.py). Fetched once per version.
+SGLANG_PIN=$(sed -n 's/^sglang==\([^ ]*\).*/\1/p' constraints-sglang.txt)
+SGLANG_SRC=.cache/sglang/$SGLANG_PIN
+if [ ! -d "$SGLANG_SRC/sglang" ]; then
+  echo "fetching the SGLang $SGLANG_PIN wheel (the protocol oracle; nothing of it is installed)"
+  rm -rf "$SGLANG_SRC.tmp" && mkdir -p "$SGLANG_SRC.tmp/whl"
+  .venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
+    --platform manylinux_2_34_x86_64 "sglang==$SGLANG_PIN" -d "$SGLANG_SRC.tmp/whl"
+  .venv/bin/python -m zipfile -e "$SGLANG_SRC.tmp"/whl/*.whl "$SGLANG_SRC.tmp"
+  rm -rf "$SGLANG_SRC.tmp/whl" && mv "$SGLANG_SRC.tmp" "$SGLANG_SRC"
+fi
+export OOLONG_SGLANG_SOURCE=${OOLONG_SGLANG_SOURCE:-$PWD/$SGLANG_SRC}
+export OOLONG_REQUIRE_SGLANG_SOURCE=1  # the contract tests fail, not skip, without it
 .venv/bin/python -c "import matplotlib.font_manager"
 # The engine's CPU kernels, built once for this machine before any server starts (cpu_kernels.py).
 .venv/bin/python -m training_core.rollout_server.cpu_kernels

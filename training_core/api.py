@@ -8,6 +8,7 @@ carry -1.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -55,6 +56,7 @@ class GenerationResponse:
     output_versions: list[int]
     finish_reason: str  # "stop" | "length" (an interrupted sample whose budget ran out: "length")
     interruptions: int = 0
+    budget_clamped: bool = False  # max_new_tokens cut to what the servers' context left
 
 
 @dataclass
@@ -176,7 +178,10 @@ class WeightReceiver(InferenceEngine, Protocol):
 
     async def destroy_weights_update_group(self, group_name: str) -> None: ...
 
-    async def weight_update_bracket(self, path: str) -> bool: ...
+    def weight_update_session(self) -> AbstractAsyncContextManager[None]:
+        """SGLang's begin/end_weight_update around a push (nothing where a release lacks them);
+        the end always follows the begin."""
+        ...
 
     async def weight_versions(self) -> list[str]: ...
 

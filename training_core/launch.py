@@ -19,9 +19,9 @@ from training_core import gpu_memory
 from training_core.config import RunSpec
 from training_core.ports import free_port
 from training_core.processes import Fleet, ManagedProcess, process_env
+from training_core.transport.server_auth import SERVER_KEY_ENV
 
 SGLANG_PYTHON_ENV = "OOLONG_SGLANG_PYTHON"  # the interpreter of SGLang's own environment
-SERVER_KEY_ENV = "OOLONG_SERVER_KEY"  # the run's rollout-server secret (never in argv or a spec)
 # A node announces the address other nodes reach it at (set by the node's worker); otherwise the
 # address this machine uses to reach the first server (weight_sync.node_address).
 NODE_ADDRESS_ENV = "OOLONG_NODE_ADDRESS"
@@ -29,11 +29,16 @@ NODE_ADDRESS_ENV = "OOLONG_NODE_ADDRESS"
 
 def embedded_server_command(model_path: str, port: int, *, dtype: str, host: str = "127.0.0.1",
                             threads: int = 1, max_batch_size: int = 256, seed: int = 0,
-                            weight_version: int = 0, parent_pid: int | None = None) -> list[str]:
+                            weight_version: int = 0, parent_pid: int | None = None,
+                            weights_root: Path | None = None) -> list[str]:
+    """The embedded server; ``weights_root``: the only folder it loads weights from (the run's
+    ``weights/``)."""
     cmd = [sys.executable, "-m", "training_core.rollout_server.server", "--model-path",
            str(model_path), "--host", host, "--port", str(port), "--threads", str(threads),
            "--max-batch-size", str(max_batch_size), "--seed", str(seed),
            "--weight-version", str(weight_version), "--dtype", dtype]
+    if weights_root is not None:
+        cmd += ["--weights-root", str(weights_root)]
     return cmd + (["--parent-pid", str(parent_pid)] if parent_pid else [])
 
 
@@ -91,8 +96,9 @@ def server_command(spec: RunSpec, model_dir: str, port: int, index: int, *,
     """Rollout server ``index`` of the run, SGLang or embedded as ``rollout.backend`` says (the
     one rule for which server a run has): SGLang with ``rollout.tp`` GPUs, the run's dtype, its
     key in a file under ``run_dir``, and ``mem_fraction`` (:func:`server_mem_fraction`); the
-    embedded server takes its key from ``OOLONG_SERVER_KEY`` in its environment (``run_env``).
-    Each binds loopback unless ``host`` is given."""
+    embedded server takes its key from ``OOLONG_SERVER_KEY`` in its environment (``run_env``)
+    and loads weights only from ``run_dir/weights``. Each binds loopback unless ``host`` is
+    given."""
     where = {"host": host} if host else {}
     if spec.rollout.backend == "sglang":
         config = None
@@ -105,7 +111,8 @@ def server_command(spec: RunSpec, model_dir: str, port: int, index: int, *,
     return embedded_server_command(model_dir, port, dtype=spec.model.dtype,
                                    threads=spec.rollout.server_threads,
                                    max_batch_size=spec.rollout.max_batch_size,
-                                   seed=spec.seed + index, parent_pid=parent_pid, **where)
+                                   seed=spec.seed + index, parent_pid=parent_pid,
+                                   weights_root=run_dir / "weights" if run_dir else None, **where)
 
 
 def server_mem_fraction(spec: RunSpec, model_dir: str | Path, *, shares_trainer_gpu: bool,

@@ -31,6 +31,8 @@ STALENESS_MEAN = _name("staleness/mean")  # policy versions between a token and 
 STALENESS_MAX = _name("staleness/max")
 STALENESS_LAGS = tuple(_name(f"staleness/lag_{k}_frac") for k in range(5))
 INTERRUPTIONS = _name("rollout/interruptions")
+# samples whose max_new_tokens the client cut to what the servers' context left (rollout_client)
+BUDGET_CLAMPED_FRAC = _name("rollout/budget_clamped_frac")
 TRUNCATED_FRAC = _name("rollout/truncated_frac")
 
 # ---- agent episodes (workflows/agent.py); present on agent runs only ----------------------------

@@ -28,7 +28,7 @@ from training_core.checkpoint import checkpoint_dir, latest_checkpoint
 from training_core.checkpoint_store import CheckpointStore
 from training_core.config import RunSpec, dump_spec
 from training_core.data.datasets import PromptLoader, load_data
-from training_core.launch import SERVER_KEY_ENV, new_server_key, start_fleet
+from training_core.launch import new_server_key, start_fleet
 from training_core.metrics import JsonlSink, MultiSink, truncate_metrics
 from training_core.models.loading import load_tokenizer
 from training_core.models.paths import run_model_dir
@@ -40,6 +40,7 @@ from training_core.staleness import StalenessManager
 from training_core.thread_share import ThreadShare
 from training_core.trainer.deepspeed_trainer import DeepSpeedTrainer
 from training_core.transport.rollout_client import RolloutClient
+from training_core.transport.server_auth import SERVER_KEY_ENV
 from training_core.transport.server_kind import check_server_kind
 from training_core.transport.weight_sync import WeightSync, make_weight_sync, push_weights
 from training_core.version import PolicyVersion
@@ -130,8 +131,9 @@ def build_run(spec: RunSpec, *, resume_dir: str | Path | None = None,
     # ---- rank 0: the rollout side ---------------------------------------------------------------
     run.tokenizer = load_tokenizer(model_dir)
     data = load_data(spec.data, spec.seed)
+    # The run's server key: the launcher's (a flow-started trainer), else a new one for the
+    # servers started here; given servers that want one are given it in OOLONG_SERVER_KEY.
     server_key = os.environ.get(SERVER_KEY_ENV) or new_server_key()
-    os.environ[SERVER_KEY_ENV] = server_key  # the client sends it (servers started here require it)
     if spec.rollout.server_urls:
         urls = list(spec.rollout.server_urls)
     else:
@@ -143,7 +145,9 @@ def build_run(spec: RunSpec, *, resume_dir: str | Path | None = None,
         urls = run.fleet.urls
     run.client = RolloutClient(urls, timeout_s=spec.rollout.request_timeout_s,
                                max_interruptions=spec.rollout.max_interruptions,
-                               pause_mode=spec.rollout.interrupt_mode, version=policy)
+                               pause_mode=spec.rollout.interrupt_mode, version=policy,
+                               api_key=server_key,
+                               flush_after_in_place=spec.rollout.backend == "sglang")
     run.staleness = StalenessManager(batch_groups=spec.trainer.batch_groups,
                                      max_staleness=spec.rollout.max_staleness,
                                      max_concurrent=spec.rollout.max_concurrent)

@@ -30,6 +30,7 @@ def batch_metrics(groups, version: int, algo: AlgorithmConfig) -> dict[str, floa
         **{name: (sum(1 for x in lags if x == k) / len(lags) if lags else 0.0)
            for k, name in enumerate(M.STALENESS_LAGS)},
         M.INTERRUPTIONS: sum(s.info.get("interruptions", 0) for s in samples),
+        M.BUDGET_CLAMPED_FRAC: sum(bool(s.info.get("budget_clamped")) for s in samples) / len(samples),
         M.TRUNCATED_FRAC: sum(s.truncated for s in samples) / len(samples),
         M.REWARD_ERRORS: sum(1 for s in samples if s.info.get("reward_error")),
         M.REWARD_ERROR_FRAC: sum(1 for s in samples if s.info.get("reward_error")) / len(samples),

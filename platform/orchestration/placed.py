@@ -35,6 +35,7 @@ from orchestration.supervise import Outcome
 from orchestration.tracker import Tracker
 from training_core.config import RunSpec
 from training_core.transport.http import wait_healthy
+from training_core.transport.server_auth import derive_server_key
 
 POOL_ENV = "OOLONG_NODE_POOL"  # the pool static nodes' workers serve
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -198,7 +199,8 @@ class PlacedRun:
         progressed = time.monotonic()
         while True:
             # every server at once, bounded by the probe timeout (not one after another)
-            answers = probe(self.urls, timeout_s=orch.probe_timeout_s).infos
+            answers = probe(self.urls, timeout_s=orch.probe_timeout_s,
+                            api_key=derive_server_key(self.ingest_token)).infos
             now = time.monotonic()
             for i, (url, info) in enumerate(zip(self.urls, answers, strict=True)):
                 if info is not None:
@@ -271,7 +273,8 @@ class PlacedRun:
 
     def server_versions(self) -> list[str]:
         """Each server's ``weight_version`` (``/model_info``); "?" where it does not answer."""
-        infos = probe(self.urls, timeout_s=self.spec.orchestration.probe_timeout_s).infos
+        infos = probe(self.urls, timeout_s=self.spec.orchestration.probe_timeout_s,
+                      api_key=derive_server_key(self.ingest_token)).infos
         return [str((info or {}).get("weight_version", "?")) for info in infos]
 
     def stop(self, timeout_s: float = 30.0) -> list[str]:

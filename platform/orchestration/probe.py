@@ -24,12 +24,13 @@ class ProbeResult:
     seconds: float  # what this poll cost
 
 
-async def probe_async(urls: list[str], *, timeout_s: float = 5.0,
-                      concurrency: int = 64) -> list[dict | None]:
+async def probe_async(urls: list[str], *, timeout_s: float = 5.0, concurrency: int = 64,
+                      api_key: str | None = None) -> list[dict | None]:
     """Per server (in ``urls``' order): its ``/model_info``, ``{}`` when it answers without
     one, None when it does not answer in ``timeout_s``. Over the rollout transport (what
-    generation goes over), through the client's monitoring round."""
-    client = RolloutClient(urls, timeout_s=timeout_s)
+    generation goes over), through the client's monitoring round, with the run's server key
+    (``/model_info`` wants it, unlike ``/health``)."""
+    client = RolloutClient(urls, timeout_s=timeout_s, api_key=api_key)
     try:
         infos = await client.server_infos(path="/model_info", timeout_s=timeout_s,
                                           concurrency=concurrency)
@@ -38,9 +39,10 @@ async def probe_async(urls: list[str], *, timeout_s: float = 5.0,
     return [infos[u.rstrip("/")] for u in urls]
 
 
-def probe(urls: list[str], *, timeout_s: float = 5.0, concurrency: int = 64) -> ProbeResult:
+def probe(urls: list[str], *, timeout_s: float = 5.0, concurrency: int = 64,
+          api_key: str | None = None) -> ProbeResult:
     """Every server's ``/model_info`` in one bounded, concurrent round (from sync code)."""
     start = time.monotonic()
-    infos = asyncio.run(probe_async(urls, timeout_s=timeout_s, concurrency=concurrency)) if urls \
-        else []
+    infos = asyncio.run(probe_async(urls, timeout_s=timeout_s, concurrency=concurrency,
+                                    api_key=api_key)) if urls else []
     return ProbeResult(infos, time.monotonic() - start)

@@ -115,7 +115,7 @@ def test_rollout_server_killed_is_restarted_and_the_run_succeeds(stack, project_
     def server_pid():
         for pid in run_processes(run_id):
             try:
-                if b"embedded_server" in open(f"/proc/{pid}/cmdline", "rb").read():
+                if b"rollout_server.server" in open(f"/proc/{pid}/cmdline", "rb").read():
                     return pid
             except OSError:
                 continue

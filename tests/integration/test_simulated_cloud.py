@@ -191,7 +191,7 @@ def test_a_run_on_two_nodes_booted_from_terraforms_cloud_init(cloud, stack, admi
         seen.append(views)
     assert all(seen)
     # The server listens on its node's address (from the metadata service), in the port range.
-    server = next(v["cmdline"].split() for v in seen[1] if "embedded_server" in v["cmdline"])
+    server = next(v["cmdline"].split() for v in seen[1] if "rollout_server.server" in v["cmdline"])
     assert server[server.index("--host") + 1] == "127.0.0.3", server
     assert 41000 <= int(server[server.index("--port") + 1]) <= 41499, server
 
@@ -220,7 +220,7 @@ def test_a_run_on_two_nodes_booted_from_terraforms_cloud_init(cloud, stack, admi
     for node, views in zip(nodes, seen, strict=True):
         want = owned[f"node-{node.index}"]
         for v in views:
-            role = ("server" if "embedded_server" in v["cmdline"] else
+            role = ("server" if "rollout_server.server" in v["cmdline"] else
                     "trainer" if "training_core.cli" in v["cmdline"] else None)
             if role:
                 assert v["gpus"] == ",".join(map(str, want[role])), (node.index, role, v)

@@ -20,12 +20,13 @@ def tiny_model_dir() -> Path:
     return resolve_model_dir("tiny")
 
 
-def start_server(model_dir: Path, log_path: Path, seed: int = 0) -> tuple[Fleet, str]:
+def start_server(model_dir: Path, log_path: Path, seed: int = 0,
+                 extra: list[str] | None = None) -> tuple[Fleet, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = server_process("test server", embedded_server_command(
-        str(model_dir), port, seed=seed, parent_pid=os.getpid(), dtype="float32"), url, log_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}).start()
+        str(model_dir), port, seed=seed, parent_pid=os.getpid(), dtype="float32") + (extra or []),
+        url, log_path, env={**os.environ, "OMP_NUM_THREADS": "1"}).start()
     fleet = Fleet(urls=[url], servers=[server])
     fleet.wait_healthy(120)
     return fleet, url

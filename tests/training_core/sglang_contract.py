@@ -71,6 +71,23 @@ SGLANG_VERSION: str = FIXTURE["_sglang_version"]
 SOURCE_ENV = "OOLONG_SGLANG_SOURCE"
 
 
+def release_source_or_skip() -> Path:
+    """The release's source for a test; a skip where it is absent, a failure under ``make test``
+    (scripts/test.sh fetches it and sets OOLONG_REQUIRE_SGLANG_SOURCE)."""
+    import os
+
+    import pytest
+
+    root = release_source()
+    if root is not None:
+        return root
+    message = (f"SGLang {SGLANG_VERSION}'s source is not here: scripts/test.sh fetches it; or set "
+               f"{SOURCE_ENV} to an unpacked `pip download --no-deps sglang=={SGLANG_VERSION}`")
+    if os.environ.get("OOLONG_REQUIRE_SGLANG_SOURCE") == "1":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 def release_source() -> Path | None:
     """The folder holding the ``sglang`` package of the pinned release, None when absent."""
     import os

@@ -17,12 +17,11 @@ from tests.training_core.sglang_contract import (
     ENDPOINTS,
     MODELS,
     SGLANG_VERSION,
-    SOURCE_ENV,
     check_request,
     release_cli_flags,
     release_models,
     release_routes,
-    release_source,
+    release_source_or_skip,
 )
 from training_core.launch import sglang_server_command
 
@@ -73,12 +72,7 @@ def test_server_info_and_weight_update_brackets_take_what_the_platform_sends():
 
 @pytest.fixture(scope="module")
 def source() -> Path:
-    root = release_source()
-    if root is None:
-        pytest.skip(f"SGLang {SGLANG_VERSION}'s source is not here: install the sglang extra, or "
-                    f"set {SOURCE_ENV} to an unpacked `pip download --no-deps "
-                    f"sglang=={SGLANG_VERSION}` wheel")
-    return root
+    return release_source_or_skip()
 
 
 def test_the_fixture_routes_are_the_releases(source):

@@ -152,7 +152,7 @@ def _train_cmd(*args: str) -> list[str]:
 
 
 def _server_pids(trainer_pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"embedded_server.*--parent-pid {trainer_pid}$"],
+    out = subprocess.run(["pgrep", "-f", f"rollout_server.server.*--parent-pid {trainer_pid}$"],
                          capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
@@ -201,9 +201,10 @@ def test_sigkill_mid_run_then_resume_repeats_and_skips_no_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_prompt_the_server_aborts_fails_its_episode_and_the_run_completes(tmp_path):
-    """SGLang (and the embedded server) abort a prompt longer than the context at once with no
-    tokens. Before the fix the client re-submitted it forever and the run hung."""
+def test_a_prompt_longer_than_the_context_fails_its_episode_and_the_run_completes(tmp_path):
+    """A prompt longer than the context fails its one episode (the client's prompt-length rule
+    refuses it before sending; the servers would answer 400), and the run goes on. Once the
+    client re-submitted such a prompt forever and the run hung."""
     from training_core.train import train
 
     data = tmp_path / "data.jsonl"
@@ -218,7 +219,7 @@ def test_a_prompt_the_server_aborts_fails_its_episode_and_the_run_completes(tmp_
     assert result.last_step == 12
     events = [json.loads(line) for line in (result.run_dir / "events.jsonl").open()]
     failed = [e for e in events if e["kind"] == "episode_failed"]
-    assert failed and "exceeds the maximum allowed length" in failed[0]["message"]
+    assert failed and "leaves no room in the servers' context of 512" in failed[0]["message"]
     assert sum(r.get("rollout/episode_errors", 0) for r in read_metrics(result.run_dir)) >= 1
 
 

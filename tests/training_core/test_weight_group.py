@@ -54,3 +54,28 @@ def test_the_weight_group_is_created_without_splitting_the_trainers_bound_commun
     # and it is bound again afterwards (the trainer's own collectives keep their device)
     assert result["after"] == "cuda:0"
     assert result["sent"] == [1.0, 1.0, 1.0]
+
+
+BIND = textwrap.dedent("""
+    import json, os, threading
+    import psutil
+    from training_core.ports import free_port
+    from training_core.transport import weight_group
+
+    port = free_port()
+    group = weight_group.init_weight_update_group(
+        master_address="127.0.0.1", master_port=port, rank=0, world_size=1,
+        group_name="weights", backend="gloo", timeout_s=30)
+    listening = [c.laddr.ip for c in psutil.Process(os.getpid()).net_connections()
+                 if c.status == "LISTEN" and c.laddr.port == port]
+    print(json.dumps(listening), flush=True)
+    os._exit(0)
+""")
+
+
+def test_the_weight_groups_store_listens_only_on_the_address_it_was_given():
+    """torch's TCPStore listened on every interface even when given 127.0.0.1: a stranger on
+    the cluster network could join the weight group's rendezvous."""
+    out = subprocess.run([sys.executable, "-c", BIND], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["127.0.0.1"]

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from training_core.rollout_server.generation_engine import GenerationEngine, Seq
+from training_core.rollout_server.requests import context_problem
 from training_core.transport.weight_group import (
     destroy_weight_update_group,
     init_weight_update_group,
@@ -136,17 +137,16 @@ class _EngineHost:
         with self.link.batch():  # the requests answered at once (below) go back together
             for key, rid, input_ids, sp in rows:
                 seq = Seq(
-                    rid=rid, prompt=list(input_ids),
-                    max_new_tokens=min(sp["max_new_tokens"], e.context_len - len(input_ids)),
+                    rid=rid, prompt=list(input_ids), max_new_tokens=sp["max_new_tokens"],
                     temperature=sp["temperature"], top_p=sp["top_p"], top_k=sp["top_k"],
                     stop_ids=set(sp["stop_token_ids"] or []), ignore_eos=sp["ignore_eos"],
                     future=_PipeFuture(self.link, key), loop=self.loop, version=e.weight_version)
-                if len(input_ids) >= e.context_len:
-                    # SGLang's scheduler aborts such a request at once, with no tokens.
-                    self.link.result(key, e.response(seq, {
-                        "type": "abort", "status_code": 400, "message":
-                            f"Input length ({len(input_ids)} tokens) exceeds the maximum allowed "
-                            f"length ({e.context_len - 1} tokens). Use a shorter input."}))
+                problem = context_problem(len(input_ids), sp["max_new_tokens"], e.context_len)
+                if problem is not None:
+                    # The front end refuses these with a 400 (server.py); one that reaches the
+                    # engine anyway is aborted at once, with no tokens, never trimmed.
+                    self.link.result(key, e.response(seq, {"type": "abort", "status_code": 400,
+                                                           "message": problem}))
                 elif seq.max_new_tokens <= 0:
                     self.link.result(key, e.response(seq, {"type": "length", "length": 0}))
                 else:

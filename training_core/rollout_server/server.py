@@ -4,10 +4,14 @@ For CPU machines, tests and demos; on GPUs production uses a real SGLang fleet, 
 cannot tell the difference (same endpoints, same JSON, same errors). See docs/design.md §4 and the
 engine's own notes in ``generation_engine.py``.
 
-Request bodies are pydantic models that follow SGLang's request models (io_struct.py,
-sampling_params.py): a malformed body is a 422 naming the field, a sampling parameter SGLang
-would refuse is a 400 naming it, and SGLang's parameters that the engine does not implement are
-accepted only at their defaults.
+Request bodies are pydantic models that follow SGLang's request models; what ``/generate``
+accepts, and how sampling parameters are normalised, is decided as the pinned release decides
+(requests.py). A malformed body is a 422 naming the field.
+
+Auth (as SGLang's ``--api-key``/``--admin-api-key`` with one key, its ``decide_request_auth``):
+with ``OOLONG_SERVER_KEY`` in the environment every route but ``/health*``, ``/ready*`` and
+``/metrics*`` requires ``Authorization: Bearer <key>`` (401 otherwise). ``--weights-root``: the
+only folder ``/update_weights_from_disk`` may load from (the run's weights; without it, any).
 """
 
 from __future__ import annotations
@@ -16,132 +20,62 @@ import argparse
 import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 import uuid
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any
 
 import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
 
 from training_core.rollout_server.engine_process import EngineProcess
-from training_core.transport.weight_group import DEFAULT_GROUP_NAME
+from training_core.rollout_server.requests import (
+    BeginWeightUpdateReqIn,
+    DestroyWeightsUpdateGroupReqIn,
+    GenerateReqIn,
+    GetWeightsByNameReqIn,
+    InitWeightsUpdateGroupReqIn,
+    PauseGenerationReqIn,
+    SamplingParamsIn,
+    UpdateWeightFromDiskReqIn,
+    UpdateWeightsFromDistributedReqIn,
+    context_problem,
+)
+from training_core.transport.server_auth import server_key
 
-# -------------------------------------------------------------------------------------------
-# Request models
-
-# SGLang's other sampling parameters with their defaults (sglang/srt/sampling/sampling_params.py).
-UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
-    "stop": None, "stop_regex": None, "min_p": 0.0, "frequency_penalty": 0.0,
-    "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1,
-    "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
-    "skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False,
-    "custom_params": None, "stream_interval": None, "logit_bias": None, "sampling_seed": None,
-}
-
-
-class SamplingParamsIn(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-
-    def problems(self) -> str | None:
-        """SGLang's own checks (SamplingParams.verify), one message naming the field."""
-        for key, value in (self.model_extra or {}).items():
-            if key not in UNSUPPORTED_SAMPLING_DEFAULTS:
-                return f"sampling_params.{key}: unknown sampling parameter"
-            if value != UNSUPPORTED_SAMPLING_DEFAULTS[key]:
-                return (f"sampling_params.{key}: not supported by the embedded server (only at its "
-                        f"default {UNSUPPORTED_SAMPLING_DEFAULTS[key]!r}); use SGLang for it")
-        if self.temperature < 0:
-            return "sampling_params.temperature must be >= 0"
-        if not 0 < self.top_p <= 1:
-            return "sampling_params.top_p must be in (0, 1]"
-        if self.top_k < 1 and self.top_k != -1:
-            return "sampling_params.top_k must be -1 (disabled) or at least 1"
-        if self.max_new_tokens < 0:
-            return "sampling_params.max_new_tokens must be >= 0"
-        return None
-
-
-class GenerateReqIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # SGLang's dataclass request ignores extras too
-
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: SamplingParamsIn | list[SamplingParamsIn] | None = None
-    return_logprob: bool | list[bool] | None = None
-    rid: str | list[str] | None = None
-    stream: bool = False
-
-
-class PauseGenerationReqIn(BaseModel):
-    mode: Literal["abort", "retract", "in_place"] = "abort"
-
-
-class UpdateWeightFromDiskReqIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model_path: str
-    load_format: str | None = None
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-    flush_cache: bool = True
-
-
-class InitWeightsUpdateGroupReqIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str = DEFAULT_GROUP_NAME
-    backend: str = "nccl"
-
-
-class UpdateWeightsFromDistributedReqIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = DEFAULT_GROUP_NAME
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-    load_format: str | None = None
-
-
-class DestroyWeightsUpdateGroupReqIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    group_name: str = DEFAULT_GROUP_NAME
-
-
-class GetWeightsByNameReqIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    name: str
-    truncate_size: int = 100
-
+OPEN_PREFIXES = ("/health", "/ready", "/metrics")  # SGLang keeps these open for probes
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
-def create_app(engine: EngineProcess, tokenizer: Any) -> FastAPI:
+def allowed(method: str, path: str, authorization: str | None, key: str | None) -> bool:
+    """SGLang 0.5.23's decide_request_auth with api_key == admin_api_key == ``key`` (every route
+    of ours is NORMAL or ADMIN_OPTIONAL there; both then need the key)."""
+    if key is None or method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
+        return True
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token, key)
+
+
+def create_app(engine: EngineProcess, tokenizer: Any, *, key: str | None = None,
+               weights_root: str | None = None) -> FastAPI:
     """The HTTP front end; ``engine`` runs in a process of its own (engine_process.py)."""
     app = FastAPI(title="oolong embedded rollout server (SGLang native API)")
     counter = itertools.count()
+    bracket = {"open": False}  # SGLang's weight-update session (begin/end_weight_update)
+    root = Path(weights_root).resolve() if weights_root else None
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if not allowed(request.method, request.url.path, request.headers.get("authorization"),
+                       key):
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -149,15 +83,12 @@ def create_app(engine: EngineProcess, tokenizer: Any) -> FastAPI:
         field_name = ".".join(str(p) for p in first["loc"] if p != "body")
         return _error(422, f"{field_name}: {first['msg']}")
 
-    def _sampling(sp: SamplingParamsIn) -> dict[str, Any]:
-        return {"max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature,
-                "top_p": sp.top_p, "top_k": sp.top_k, "stop_token_ids": sp.stop_token_ids,
-                "ignore_eos": sp.ignore_eos}
-
     @app.post("/generate")
     async def generate(body: GenerateReqIn):
         if body.stream:
             return _error(400, "stream: streaming is not supported by the embedded server")
+        if (problem := body.unsupported_fields()) is not None:
+            return _error(400, problem)
         ids = body.input_ids
         if ids is None and body.text is not None:
             ids = ([tokenizer.encode(t) for t in body.text] if isinstance(body.text, list)
@@ -171,13 +102,21 @@ def create_app(engine: EngineProcess, tokenizer: Any) -> FastAPI:
         if len(params) != len(rows):
             return _error(400, "sampling_params list must match the input_ids batch")
         for p in params:
+            if (problem := p.contract_error()) is not None:  # the release's gate: its shape
+                return JSONResponse({"error": problem}, status_code=400)
+        for p in params:
             if (problem := p.problems()) is not None:
+                return _error(400, problem)
+        sampling = [p.engine_params() for p in params]
+        for row, sp_row in zip(rows, sampling, strict=True):
+            problem = context_problem(len(row), sp_row["max_new_tokens"],
+                                      engine.info["context_len"])
+            if problem is not None:
                 return _error(400, problem)
         rids = body.rid if isinstance(body.rid, list) else [
             f"{body.rid}-{i}" if body.rid and batch else body.rid for i in range(len(rows))]
         rids = [r or f"{uuid.uuid4().hex[:8]}-{next(counter)}" for r in rids]
-        out = await engine.generate([(r, x, _sampling(p))
-                                     for r, x, p in zip(rids, rows, params, strict=True)])
+        out = await engine.generate(list(zip(rids, rows, sampling, strict=True)))
         # Already plain JSON types: a JSONResponse skips FastAPI's jsonable_encoder, which walked
         # every [logprob, token, None] triple in Python (42% of the front end's request handling
         # in a py-spy profile).
@@ -199,6 +138,9 @@ def create_app(engine: EngineProcess, tokenizer: Any) -> FastAPI:
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightFromDiskReqIn):
+        if root is not None and not Path(body.model_path).resolve().is_relative_to(root):
+            return JSONResponse({"success": False, "message": f"model_path: {body.model_path} is "
+                                 f"outside this server's weights root ({root})"}, status_code=400)
         return await _result("update_weights_from_disk", path=body.model_path,
                              version=body.weight_version, abort_first=body.abort_all_requests,
                              flush_cache=body.flush_cache)
@@ -239,9 +181,31 @@ def create_app(engine: EngineProcess, tokenizer: Any) -> FastAPI:
             return _error(400, f"name: no parameter {body.name!r}")
         return values
 
-    @app.post("/flush_cache")
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
-        return {"success": True}
+        # SGLang flushes only when nothing runs or waits (waiting requests do not count while
+        # generation is paused), and answers in plain text.
+        stats = await engine.call("stats")
+        if stats["running"] or (stats["waiting"] and not stats["paused"]):
+            return Response("Flush cache failed.\n", status_code=400)
+        return Response("Cache flushed.\nPlease check backend logs for more details. (When there "
+                        "are running or waiting requests, the operation will not be performed.)\n")
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(body: BeginWeightUpdateReqIn | None = None):
+        if bracket["open"]:
+            return JSONResponse({"success": False, "message": "a weight-update session is already "
+                                 "open; call end_weight_update() first"}, status_code=400)
+        bracket["open"] = True
+        return {"success": True, "message": "Success"}
+
+    @app.post("/end_weight_update")
+    async def end_weight_update():
+        if not bracket["open"]:
+            return JSONResponse({"success": False, "message": "no weight-update session is open; "
+                                 "call begin_weight_update() first"}, status_code=400)
+        bracket["open"] = False
+        return {"success": True, "message": "Success"}
 
     @app.get("/health")
     @app.get("/health_generate")
@@ -251,8 +215,8 @@ def create_app(engine: EngineProcess, tokenizer: Any) -> FastAPI:
         if (await engine.call("stats"))["paused"]:
             return Response(status_code=503)
         bos = engine.info["bos_token_id"] or 0
-        probe = await engine.generate([(f"health-{next(counter)}", [bos], _sampling(
-            SamplingParamsIn(max_new_tokens=1, temperature=0.0)))])
+        probe = await engine.generate([(f"health-{next(counter)}", [bos], SamplingParamsIn(
+            max_new_tokens=1, temperature=0.0).engine_params())])
         ok = probe[0]["meta_info"]["finish_reason"]["type"] != "abort"
         return Response(status_code=200 if ok else 503)
 
@@ -302,6 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="weights, activations and KV cache (SGLang's --dtype); the run's "
                              "model.dtype")
+    parser.add_argument("--weights-root", default=None,
+                        help="the only folder /update_weights_from_disk may load from (the "
+                             "run's weights/); default: any")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is gone (no orphans after a SIGKILL)")
     args = parser.parse_args(argv)
@@ -318,8 +285,9 @@ def main(argv: list[str] | None = None) -> None:
     from training_core.models.loading import load_tokenizer
 
     try:
-        uvicorn.run(create_app(engine, load_tokenizer(args.model_path)), host=args.host,
-                    port=args.port, log_level="warning")
+        app = create_app(engine, load_tokenizer(args.model_path),
+                         key=server_key(), weights_root=args.weights_root)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
         engine.close()
 

@@ -39,8 +39,10 @@ class JsonHttpClient:
     """One per event loop (streams belong to the loop that opened them)."""
 
     def __init__(self, *, timeout_s: float, connect_timeout_s: float = 10.0,
-                 connect: Connector | None = None):
+                 connect: Connector | None = None, bearer: str | None = None):
         self.timeout_s = timeout_s
+        # the run's rollout-server key, sent with every request (transport/server_auth.py)
+        self._auth = f"Authorization: Bearer {bearer}\r\n" if bearer else ""
         self.connect_timeout_s = connect_timeout_s
         self._open: Connector = connect or asyncio.open_connection
         self._idle: dict[tuple[str, int], list[_Conn]] = defaultdict(list)
@@ -66,7 +68,8 @@ class JsonHttpClient:
         body = b"" if payload is None else json.dumps(payload, separators=(",", ":")).encode()
         typed = "" if payload is None else "Content-Type: application/json\r\n"
         head = (f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{typed}"
-                f"Accept: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+                f"Accept: application/json\r\n{self._auth}Content-Length: {len(body)}\r\n\r\n"
+                ).encode()
         key = (host, port)
         while True:
             reused = bool(self._idle[key])

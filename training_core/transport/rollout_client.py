@@ -11,11 +11,19 @@
   sample interrupted more than ``max_interruptions`` times fails its episode.
 - ``pause_mode="in_place"`` (SGLang's mode of that name): requests stay on the server through the
   pause, weights load with ``flush_cache`` false, and they go on with the new weights over their
-  KV cache from the old ones: nothing is recomputed or sent again. Which of a response's tokens
-  came after the update is not reported, so a response that spanned one gets the version it
-  started with for all its tokens (the oldest: the staleness bound stays strict; staleness
-  metrics read a little high). The behaviour logprobs are what was sampled from, so the decoupled
-  objective's importance weights stay exact.
+  KV cache from the old ones: nothing is recomputed or sent again. SGLang 0.5.23 reports which
+  tokens each version made (``meta_info.weight_versions``, spans over the output): each token gets
+  its own; from a server that sends no spans, a response that spanned an update gets the version
+  it started with for all its tokens (the oldest: the staleness bound stays strict). The
+  behaviour logprobs are what was sampled from, so the decoupled objective's importance weights
+  stay exact. SGLang's radix cache then holds prefixes computed under the old weights, which new
+  requests would reuse: with ``flush_after_in_place`` (an SGLang fleet) a server that had
+  requests across the update gets no new one until they have drained, then ``/flush_cache``.
+- Prompt length, one rule on CPU and GPU: a sample's ``max_new_tokens`` is cut to what the
+  server's context leaves (``budget_clamped`` on the response, ``rollout/budget_clamped_frac`` in
+  the step metrics); a prompt that leaves no room is refused before it is sent
+  (:class:`PromptTooLong`, an episode error). Both servers would answer a 400 otherwise.
+- Auth: every call carries the run's server key (``OOLONG_SERVER_KEY``, transport/server_auth.py).
 - Errors of one request are errors of that episode, never retried: SGLang answers ``abort`` with
   no tokens for a request it cannot serve (input too long, ...) and HTTP 4xx for a malformed one.
   Both raise :class:`EpisodeError`; the executor counts the episode and the run goes on.
@@ -29,7 +37,9 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -43,15 +53,22 @@ from training_core.api import (
 )
 from training_core.transport.http import aretrying
 from training_core.transport.json_http import Connector, JsonHttpClient
+from training_core.transport.server_auth import server_key
 from training_core.version import PolicyVersion
 
 log = logging.getLogger(__name__)
+
+
+class PromptTooLong(RequestRejected):
+    """The prompt leaves no room for one new token in the servers' context."""
 
 
 @dataclass
 class _Server:
     url: str
     in_flight: int = 0
+    # In-place update done while it held requests: no new one until they drain, then a flush.
+    flush_pending: bool = False
     down_until: float = 0.0
     failures: int = 0
     # Answered with weights older than the trainer's (a restarted server that has not loaded
@@ -68,6 +85,7 @@ class _Partial:
     versions: list[int] = field(default_factory=list)
     finish: str = ""
     interruptions: int = 0
+    budget_clamped: bool = False
 
     @property
     def aborted(self) -> bool:
@@ -77,14 +95,15 @@ class _Partial:
         return GenerationResponse(
             input_ids=list(request.input_ids), output_ids=self.ids, output_logprobs=self.logprobs,
             output_versions=self.versions, finish_reason=self.finish,
-            interruptions=self.interruptions)
+            interruptions=self.interruptions, budget_clamped=self.budget_clamped)
 
 
 class RolloutClient:
     def __init__(self, urls: list[str], *, timeout_s: float = 300.0, retries: int = 3,
                  cooldown_s: float = 2.0, retry_window_s: float = 120.0,
                  max_interruptions: int = 16, pause_mode: str = "abort",
-                 version: PolicyVersion | None = None, connect: Connector | None = None):
+                 version: PolicyVersion | None = None, connect: Connector | None = None,
+                 api_key: str | None = None, flush_after_in_place: bool = False):
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
         if pause_mode not in ("abort", "in_place"):
@@ -97,6 +116,10 @@ class RolloutClient:
         self.retry_window_s = retry_window_s
         self.max_interruptions = max_interruptions
         self._connect = connect  # tests connect the client to a scripted server here
+        self.api_key = api_key if api_key is not None else server_key()
+        self.flush_after_in_place = flush_after_in_place and pause_mode == "in_place"
+        self._context_len: int | None = None  # the servers' context (least of them), read once
+        self._bracket_routes: bool | None = None  # has /begin_weight_update (SGLang >= 0.5.2x)
         # The trainer's policy version (its one owner, training_core.version): admission and
         # routing read it; weight_sync.push_weights advances it.
         self.policy = version or PolicyVersion()
@@ -122,9 +145,12 @@ class RolloutClient:
 
     # ---- HTTP plumbing ----------------------------------------------------------------------
 
-    def _pick(self) -> _Server:
+    def _pick(self) -> _Server | None:
         now = time.monotonic()
-        alive = [s for s in self.servers if s.down_until <= now] or self.servers
+        open_ = [s for s in self.servers if not s.flush_pending]
+        if not open_:
+            return None  # every server drains its in-place requests before a cache flush
+        alive = [s for s in open_ if s.down_until <= now] or open_
         current = [s for s in alive if not s.behind] or alive
         return min(current, key=lambda s: s.in_flight)
 
@@ -136,8 +162,8 @@ class RolloutClient:
         key = id(asyncio.get_running_loop())
         client = self._json_clients.get(key)
         if client is None or client.closed:
-            client = self._json_clients[key] = JsonHttpClient(timeout_s=self.timeout_s,
-                                                              connect=self._connect)
+            client = self._json_clients[key] = JsonHttpClient(
+                timeout_s=self.timeout_s, connect=self._connect, bearer=self.api_key)
         status, body = await client.request(method, server.url + path, payload,
                                             timeout_s=timeout_s)
         if status >= 400:
@@ -166,7 +192,11 @@ class RolloutClient:
                                            max_delay_s=2.0,
                                            retry_on=(httpx.TransportError, RolloutServerError)):
                 with attempt:
-                    return await self._generate_on(self._pick(), payload, weight)
+                    server = self._pick()
+                    while server is None:
+                        await asyncio.sleep(0.01)
+                        server = self._pick()
+                    return await self._generate_on(server, payload, weight)
         except (httpx.TransportError, RolloutServerError) as exc:
             raise RolloutServerError(
                 f"servers unreachable: generation failed after {self.retries + 1}+ attempts over "
@@ -196,6 +226,22 @@ class RolloutClient:
             raise
         finally:
             server.in_flight -= weight
+            if server.flush_pending and server.in_flight == 0:
+                await self._flush(server)
+
+    async def _flush(self, server: _Server) -> None:
+        """SGLang's ``/flush_cache`` once the requests paused in place have drained (it flushes
+        only an idle server, and answers in plain text); new requests go to it again after."""
+        try:
+            key = id(asyncio.get_running_loop())
+            client = self._json_clients[key]
+            status, body = await client.request("POST", server.url + "/flush_cache", {})
+            if status != 200:
+                log.warning("%s/flush_cache -> %d: %s", server.url, status, body[:200])
+        except (httpx.HTTPError, OSError) as exc:
+            log.warning("%s/flush_cache failed: %s", server.url, exc)
+        finally:
+            server.flush_pending = False
 
     def _mark_down(self, server: _Server, exc: Exception) -> None:
         server.failures += 1
@@ -211,8 +257,9 @@ class RolloutClient:
         """``n`` samples of one prompt. The first round is one batched HTTP call (SGLang takes a
         list of ``input_ids``); samples interrupted by a weight update continue together once
         generation resumes."""
+        request, clamped = await self._fit_context(request)
         budget = request.sampling.max_new_tokens
-        states = [_Partial() for _ in range(n)]
+        states = [_Partial(budget_clamped=clamped) for _ in range(n)]
         pending = states
         while pending:
             await self._until_unpaused()
@@ -226,6 +273,23 @@ class RolloutClient:
                         f"{self.max_interruptions}): weight updates come faster than it generates")
             pending = [st for st in pending if st.aborted]
         return [st.response(request) for st in states]
+
+    async def _fit_context(self, request: GenerationRequest) -> tuple[GenerationRequest, bool]:
+        """The one prompt-length rule (module docstring): the budget cut to the room the
+        context leaves, or the prompt refused when it leaves none."""
+        if self._context_len is None:
+            infos = await self.server_infos(timeout_s=10.0)
+            lengths = [int(i["context_length"]) for i in infos.values()
+                       if i and isinstance(i.get("context_length"), int)]
+            self._context_len = min(lengths) if lengths else 0  # 0: not reported, no rule
+        context, prompt = self._context_len, len(request.input_ids)
+        if not context or prompt + request.sampling.max_new_tokens <= context:
+            return request, False
+        if prompt >= context:
+            raise PromptTooLong(f"a prompt of {prompt} tokens leaves no room in the servers' "
+                                f"context of {context} tokens")
+        room = replace(request.sampling, max_new_tokens=context - prompt)
+        return replace(request, sampling=room), True
 
     async def _until_unpaused(self) -> None:
         # Re-submitting while the servers are paused would only queue (SGLang) or abort again:
@@ -275,12 +339,9 @@ class RolloutClient:
                 raise GenerationAborted(
                     f"server aborted the request with {len(ids)} tokens and no pause in progress: "
                     f"{finish.get('message') or 'no message'}")
-            version = _parse_version(meta.get("weight_version"), version_at_submit)
-            if paused_meanwhile:  # an in-place pause: tokens from both sides of an update
-                version = min(version, version_at_submit)
             st.ids += ids
             st.logprobs += lps
-            st.versions += [version] * len(ids)
+            st.versions += _token_versions(meta, len(ids), version_at_submit, paused_meanwhile)
             st.finish = finish.get("type", "stop")
             if st.finish == "abort":
                 st.interruptions += 1
@@ -313,7 +374,13 @@ class RolloutClient:
         await self._all("/pause_generation", {"mode": self.pause_mode})
 
     async def resume(self) -> None:
+        if self.flush_after_in_place:  # radix entries from the old weights: flush once drained
+            for server in self.servers:
+                server.flush_pending = True
         await self._all("/continue_generation")
+        if self.flush_after_in_place:
+            idle = [s for s in self.servers if s.in_flight == 0]
+            await asyncio.gather(*[self._flush_now(s) for s in idle])
         self._paused = False
         for loop, resumed in list(self._resume_events.values()):
             if not loop.is_closed():
@@ -382,11 +449,43 @@ class RolloutClient:
             if isinstance(result, BaseException):  # best effort: the group dies with the run
                 log.warning("destroy_weights_update_group on %s: %s", server.url, result)
 
-    async def weight_update_bracket(self, path: str) -> bool:
-        """``/begin_weight_update`` or ``/end_weight_update`` where the SGLang version has them;
-        False (and nothing done) on a 404."""
+    async def _flush_now(self, server: _Server) -> None:
+        if server.flush_pending and server.in_flight == 0:
+            await self._flush(server)
+
+    @asynccontextmanager
+    async def weight_update_session(self) -> AsyncIterator[None]:
+        """SGLang's ``/begin_weight_update`` ... ``/end_weight_update`` around a push, where the
+        release has them: every server that began gets its end, also when the push fails in
+        between (0.5.23 refuses a second begin while one is open, so a push that left one open
+        would fail every later push). Failures to end are logged; the push's own error wins."""
+        opened: list[_Server] = []
+        failed: BaseException | None = None
+        if self._bracket_routes is not False:
+            results = await asyncio.gather(
+                *[self._bracket(s, "/begin_weight_update") for s in self.servers],
+                return_exceptions=True)
+            opened = [s for s, r in zip(self.servers, results, strict=True) if r is True]
+            if self._bracket_routes is None and all(r is False for r in results):
+                self._bracket_routes = False  # a release without the bracket: never ask again
+            elif opened:
+                self._bracket_routes = True
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
         try:
-            await self._all(path)
+            if failed is not None:
+                raise failed
+            yield
+        finally:
+            ends = await asyncio.gather(*[self._bracket(s, "/end_weight_update") for s in opened],
+                                        return_exceptions=True)
+            for server, end in zip(opened, ends, strict=True):
+                if isinstance(end, BaseException):
+                    log.warning("end_weight_update on %s failed: %s", server.url, end)
+
+    async def _bracket(self, server: _Server, path: str) -> bool:
+        """True once ``path`` succeeded, False on a 404 (a release without it)."""
+        try:
+            await self._retrying(server, path, {})
         except RolloutServerError as exc:
             if exc.status == 404:
                 return False
@@ -443,6 +542,25 @@ class RolloutClient:
         lean = self._json_clients.pop(id(asyncio.get_running_loop()), None)
         if lean is not None:
             await lean.aclose()
+
+
+def _token_versions(meta: dict, tokens: int, at_submit: int, paused_meanwhile: bool) -> list[int]:
+    """Each output token's policy version: from SGLang's spans (``weight_versions``: which
+    version made tokens ``[start, end)``) where the server sends them, else the response's
+    ``weight_version`` for all (the one it started with when a pause fell in between: the
+    oldest, so the staleness bound stays strict)."""
+    spans = meta.get("weight_versions")
+    if isinstance(spans, list) and spans:
+        out = [at_submit] * tokens
+        for span in spans:
+            version = _parse_version(span.get("version"), at_submit)
+            for i in range(max(int(span.get("start", 0)), 0), min(int(span.get("end", 0)), tokens)):
+                out[i] = version
+        return out
+    version = _parse_version(meta.get("weight_version"), at_submit)
+    if paused_meanwhile:  # an in-place pause: tokens from both sides of an update
+        version = min(version, at_submit)
+    return [version] * tokens
 
 
 def _parse_version(value: object, fallback: int) -> int:

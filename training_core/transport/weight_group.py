@@ -14,6 +14,7 @@ The backend is gloo for CPU tensors and nccl for CUDA ones (one code path, chose
 from __future__ import annotations
 
 import math
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -39,8 +40,12 @@ def init_weight_update_group(*, master_address: str, master_port: int, rank: int
     # The store torch's tcp:// rendezvous would make, built directly: under torchrun that
     # rendezvous hands rank 0 a client of the launcher's store (TORCHELASTIC_USE_AGENT_STORE)
     # instead of hosting this group's own, and nobody would listen at master_port.
+    # Rank 0 hosts the store on the address it was given, not on every interface (torch's
+    # TCPStore binds "::" by itself): the socket is bound here and handed over.
+    listen_fd = _listening_fd(master_address, master_port) if rank == 0 else None
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
-                          timeout=timeout, wait_for_workers=False)
+                          timeout=timeout, wait_for_workers=False, master_listen_fd=listen_fd,
+                          use_libuv=True)
     store = dist.PrefixStore(group_name, store)
     with _default_group_unbound():
         group, _ = c10d._new_process_group_helper(
@@ -49,6 +54,20 @@ def init_weight_update_group(*, master_address: str, master_port: int, rank: int
     # Group ranks are global ranks in this group's own world (what broadcast's ``src`` means).
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+def _listening_fd(address: str, port: int) -> int:
+    """A listening TCP socket on ``address:port`` whose descriptor the store takes over."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()
 
 
 @contextmanager

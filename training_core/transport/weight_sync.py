@@ -158,7 +158,6 @@ class DistributedSync:
         self._buckets: list[_Bucket] = []
         self._flat: list[torch.Tensor] = []
         self._version: int | None = None
-        self._bracket: bool | None = None  # does the server have /begin_weight_update?
 
     def export(self, trainer: TrainEngine, version: int, *, resumed: bool = False) -> None:
         """Every rank (a collective under ZeRO-3); rank 0 keeps the bucketed weights. The flat
@@ -214,22 +213,17 @@ class DistributedSync:
         versions = await client.weight_versions()
         if any(v != str(client.version) for v in versions):
             await self.connect(client)
-        if self._bracket is None:
-            self._bracket = await client.weight_update_bracket("/begin_weight_update")
-        elif self._bracket:
-            await client.weight_update_bracket("/begin_weight_update")
-        for i, bucket in enumerate(self._buckets):
-            last = i == len(self._buckets) - 1
-            announce = asyncio.ensure_future(client.update_weights_from_distributed(
-                names=bucket.names, dtypes=bucket.dtypes, shapes=bucket.shapes,
-                group_name=self.group_name, version=version if last else None,
-                flush_cache=last and client.flush_cache,
-                load_format="flattened_bucket" if self.flatten else None))
-            sent = _ThreadResult(functools.partial(broadcast_from_trainer, self.group,
-                                                   bucket.tensors))
-            await _both(announce, sent, "update_weights_from_distributed")
-        if self._bracket:
-            await client.weight_update_bracket("/end_weight_update")
+        async with client.weight_update_session():
+            for i, bucket in enumerate(self._buckets):
+                last = i == len(self._buckets) - 1
+                announce = asyncio.ensure_future(client.update_weights_from_distributed(
+                    names=bucket.names, dtypes=bucket.dtypes, shapes=bucket.shapes,
+                    group_name=self.group_name, version=version if last else None,
+                    flush_cache=last and client.flush_cache,
+                    load_format="flattened_bucket" if self.flatten else None))
+                sent = _ThreadResult(functools.partial(broadcast_from_trainer, self.group,
+                                                       bucket.tensors))
+                await _both(announce, sent, "update_weights_from_distributed")
         self._buckets = []
 
     async def close(self, client: WeightReceiver) -> None:

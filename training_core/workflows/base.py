@@ -60,5 +60,5 @@ def single_turn_trajectory(resp: GenerationResponse, reward: float, **info: Any)
         versions=[PROMPT_VERSION] * n_prompt + resp.output_versions,
         reward=reward,
         truncated=resp.finish_reason == "length",
-        info={"interruptions": resp.interruptions, **info},
+        info={"interruptions": resp.interruptions, "budget_clamped": resp.budget_clamped, **info},
     )

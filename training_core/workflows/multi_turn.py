@@ -31,12 +31,14 @@ class MultiTurnWorkflow:
         ids = self.ctx.render_prompt(item)
         mask, lps, vers = [0] * len(ids), [0.0] * len(ids), [PROMPT_VERSION] * len(ids)
         reward, truncated, completions, interruptions = 0.0, False, [], 0
+        clamped = False
         reward_error: str | None = None  # the first turn whose reward failed (counted per sample)
         for turn in range(self.ctx.max_turns):
             resp = await engine.agenerate(GenerationRequest(list(ids), self.ctx.sampling))
             text = self.ctx.decode(resp.output_ids)
             completions.append(text)
             interruptions += resp.interruptions
+            clamped = clamped or resp.budget_clamped
             ids += resp.output_ids
             mask += [1] * len(resp.output_ids)
             lps += resp.output_logprobs
@@ -54,7 +56,8 @@ class MultiTurnWorkflow:
                 vers += [PROMPT_VERSION] * len(self.feedback_ids)
         return Trajectory(ids, mask, lps, vers, reward, truncated,
                           info={"completion": " | ".join(completions), "turns": len(completions),
-                                "interruptions": interruptions, "reward_error": reward_error})
+                                "interruptions": interruptions, "reward_error": reward_error,
+                                "budget_clamped": clamped})
 
     async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> TrajectoryGroup | None:
         samples = await asyncio.gather(

@@ -49,6 +49,7 @@ from training_core.models.paths import run_model_dir
 from training_core.ports import free_port
 from training_core.processes import ManagedProcess
 from training_core.remote_run import prepare_remote_run
+from training_core.transport.server_auth import derive_server_key
 
 
 def node_address() -> str:
@@ -189,11 +190,13 @@ def rollout_server(run_id: int, tracker_url: str, ingest_token: str, index: int,
     model_dir = str(run_model_dir(spec, run_dir))
     check_nccl(spec)
     # A placed server never shares a GPU with a trainer rank (the plan gives disjoint GPUs).
+    key = derive_server_key(ingest_token)  # every node derives the run's key: none travels
     cmd = server_command(spec, model_dir, port, index, host=host, parent_pid=os.getpid(),
-                         mem_fraction=server_mem_fraction(spec, model_dir, shares_trainer_gpu=False))
+                         mem_fraction=server_mem_fraction(spec, model_dir, shares_trainer_gpu=False),
+                         run_dir=run_dir, server_key=key)
     proc = server_process(f"rollout server {index}", cmd, url,
                           run_dir / "logs" / f"rollout-server-{index}.log",
-                          server_env(spec, run_dir, run_id, gpus)).start()
+                          server_env(spec, run_dir, run_id, gpus, server_key=key)).start()
     proc.wait_healthy(health_timeout_s)
     Variable.set(server_variable(run_id, index), url, overwrite=True)
     logger.info("rollout server %d serving at %s", index, url)
@@ -220,7 +223,8 @@ def trainer_node(run_id: int, tracker_url: str, ingest_token: str, node_rank: in
                           nnodes=nnodes, node_rank=node_rank, master=(master_address, master_port),
                           resume=resume, overrides=("weight_sync=distributed",))
     proc = ManagedProcess(f"trainer node {node_rank}", cmd, run_dir / "logs" / "trainer.log",
-                          env=run_env(run_dir, run_id, gpus)).start()
+                          env=run_env(run_dir, run_id, gpus,
+                                      server_key=derive_server_key(ingest_token))).start()
     _run_until_exit(proc, f"trainer node {node_rank}")
 
 

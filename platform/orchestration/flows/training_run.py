@@ -47,6 +47,7 @@ from training_core.models.paths import run_model_dir
 from training_core.ports import free_port
 from training_core.processes import Fleet, ManagedProcess, stop_all
 from training_core.transport.rollout_client import RolloutClient
+from training_core.transport.server_auth import derive_server_key
 
 
 @dataclass
@@ -75,7 +76,7 @@ def warm_start(spec: RunSpec, spec_path: Path, run_dir: Path,
 
 @task(name="start-rollout-fleet", cache_policy=NO_CACHE)  # side effects: never cached
 def start_rollout_fleet(spec: RunSpec, run_dir: Path, inventory: NodeInventory,
-                        placement: Placement) -> Fleet:
+                        placement: Placement, server_key: str) -> Fleet:
     model_dir = str(run_model_dir(spec, run_dir))
     check_nccl(spec)
     fleet = Fleet(urls=[])
@@ -88,11 +89,11 @@ def start_rollout_fleet(spec: RunSpec, run_dir: Path, inventory: NodeInventory,
             spec, model_dir, shares_trainer_gpu=placement.shares_trainer_gpu(slot),
             gpu_index=slot.gpus[0] if slot.gpus else 0, trainer_ranks=placement.trainers[0].nproc)
         cmd = server_command(spec, model_dir, port, slot.index, parent_pid=os.getpid(),
-                             mem_fraction=fraction)
+                             mem_fraction=fraction, run_dir=run_dir, server_key=server_key)
         fleet.servers.append(server_process(
             f"rollout server {slot.index}", cmd, url,
             run_dir / "logs" / f"rollout-server-{slot.index}.log",
-            server_env(spec, run_dir, gpus=slot.gpus)).start())
+            server_env(spec, run_dir, gpus=slot.gpus, server_key=server_key)).start())
     return fleet
 
 
@@ -103,12 +104,13 @@ def wait_fleet_healthy(fleet: Fleet, timeout_s: float = 300.0) -> None:
 
 @task(name="start-trainer", cache_policy=NO_CACHE)  # side effects: never cached
 def start_trainer(spec_path: Path, fleet: Fleet, placement: Placement,
-                  run_dir: Path, resume: bool = False) -> ManagedProcess:
+                  run_dir: Path, resume: bool = False,
+                  server_key: str | None = None) -> ManagedProcess:
     slot = placement.trainers[0]
     cmd = trainer_command(spec_path, fleet.urls, run_dir, nproc=slot.nproc, resume=resume)
     (run_dir / "trainer.cmd").write_text(" ".join(cmd))
     return ManagedProcess("trainer", cmd, run_dir / "logs" / "trainer.log",
-                          env=run_env(run_dir, gpus=slot.gpus)).start()
+                          env=run_env(run_dir, gpus=slot.gpus, server_key=server_key)).start()
 
 
 @task(name="tear-down", cache_policy=NO_CACHE)  # side effects: never cached
@@ -117,7 +119,7 @@ def tear_down(procs: RunProcesses) -> None:
     stop_all([procs.trainer, *(procs.fleet.servers if procs.fleet else [])], grace_s=10.0)
 
 
-def load_current_weights(run_dir: Path, url: str) -> None:
+def load_current_weights(run_dir: Path, url: str, server_key: str | None = None) -> None:
     """Bring a restarted server to the trainer's latest pushed weights (``weight_sync: disk``),
     checking its reply. With ``distributed`` the trainer rebuilds its weight group with the
     server before its next push (it sees the server's older ``weight_version``)."""
@@ -127,7 +129,7 @@ def load_current_weights(run_dir: Path, url: str) -> None:
     version, path = current
 
     async def load() -> None:
-        client = RolloutClient([url])
+        client = RolloutClient([url], api_key=server_key)
         try:
             await client.update_weights_from_disk(str(path.resolve()), version)
         finally:
@@ -275,16 +277,19 @@ def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str
                                             f", shared with the runs of sweep {sweep['id']}"
                                             if share else ""))
         warm_start(spec, spec_path, run_dir, share)
-        procs.fleet = start_rollout_fleet(spec, run_dir, inventory, placement)
+        # the run's server key, derived from its credential (no second secret travels)
+        key = derive_server_key(ingest_token)
+        procs.fleet = start_rollout_fleet(spec, run_dir, inventory, placement, key)
         wait_fleet_healthy(procs.fleet)
         tracker.event("fleet", f"{len(procs.fleet.urls)} rollout server(s) healthy",
                       urls=procs.fleet.urls)
-        procs.trainer = start_trainer(spec_path, procs.fleet, placement, run_dir, resume)
+        procs.trainer = start_trainer(spec_path, procs.fleet, placement, run_dir, resume,
+                                      server_key=key)
         tracker.status("running")
         tracker.event("trainer", f"trainer started (pid {procs.trainer.pid})")
 
         def restart_server(i: int) -> None:
-            procs.fleet.restart(i, bring_up=lambda url: load_current_weights(run_dir, url))
+            procs.fleet.restart(i, bring_up=lambda url: load_current_weights(run_dir, url, key))
 
         outcome = supervise(tracker, procs.trainer, procs.fleet, run_dir,
                             trainer_log=procs.trainer.log,

@@ -221,7 +221,7 @@ def test_every_request_the_client_sends_matches_sglangs_request_models():
     run(everything())
     paths = {p for _, p, _ in server.requests}
     assert paths == {"/generate", "/pause_generation", "/update_weights_from_disk",
-                     "/continue_generation", "/model_info"}
+                     "/continue_generation", "/model_info", "/server_info"}
     problems = [p for method, path, body in server.requests
                 for p in check_request(method, path, body)]
     assert problems == []
@@ -307,3 +307,103 @@ def test_a_monitoring_round_reports_each_server_and_never_raises():
 
     infos = asyncio.run(go())
     assert infos == {urls[0]: {"weight_version": "3"}, urls[1]: {}, urls[2]: None, urls[3]: None}
+
+
+class WithContext(ScriptedSGLang):
+    """A server whose /server_info reports a context of ``context`` tokens."""
+
+    def __init__(self, script, context: int):
+        super().__init__(script)
+        self.context = context
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/server_info":
+            self.requests.append((request.method, request.url.path, None))
+            return httpx.Response(200, json={"version": "0.5.23", "context_length": self.context})
+        return await super().__call__(request)
+
+
+def test_a_budget_over_the_context_is_cut_and_counted_and_a_full_prompt_is_refused():
+    """One rule for an over-long prompt, the same whichever server answers: the budget is cut to
+    what the context leaves (the server would answer a 400 otherwise), a prompt that leaves no
+    room is refused before anything is sent."""
+    server = WithContext(lambda body, n: (200, reply([4] * body["sampling_params"][
+        "max_new_tokens"], "length")), context=10)
+    client = client_for(server)
+    resp = run(client.agenerate(request(max_new_tokens=9, ids=range(6))))
+    sent = [b for _, p, b in server.requests if p == "/generate"]
+    assert sent[0]["sampling_params"]["max_new_tokens"] == 4 and resp.budget_clamped
+    assert not run(client.agenerate(request(max_new_tokens=4, ids=range(6)))).budget_clamped
+    from training_core.transport.rollout_client import PromptTooLong
+
+    with pytest.raises(PromptTooLong, match="prompt of 10 tokens leaves no room"):
+        run(client.agenerate(request(ids=range(10))))
+    assert len([p for _, p, _ in server.requests if p == "/generate"]) == 2
+    assert issubclass(PromptTooLong, RequestRejected)  # an episode error, never retried
+
+
+def test_every_call_carries_the_runs_server_key(monkeypatch):
+    seen: list[str | None] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        if request.url.path == "/generate":
+            return httpx.Response(200, json=reply([1]))
+        return httpx.Response(200, json={"weight_version": "0", "success": True})
+
+    monkeypatch.setenv("OOLONG_SERVER_KEY", "k3y")
+    client = RolloutClient([URL], connect=ScriptedServer(handler))
+
+    async def calls():
+        await client.agenerate(request())
+        await client.pause()
+        await client.resume()
+        await client.aclose()
+
+    run(calls())
+    assert seen and set(seen) == {"Bearer k3y"}
+
+
+def test_after_an_in_place_update_sglangs_cache_is_flushed_once_the_paused_requests_drain():
+    """SGLang keeps the radix cache's prefixes through an in-place update (flush_cache false: the
+    paused requests need their KV): computed under the old weights, new requests would reuse
+    them. The server gets no new request until the paused ones have finished, then a flush."""
+    release = asyncio.Event()
+    log: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        log.append(path)
+        if path == "/generate":
+            body = json.loads(request.content)
+            if body["input_ids"] == [1, 2, 3]:
+                await release.wait()  # held on the server across the update
+            return httpx.Response(200, json=reply([5], version="1"))
+        if path == "/flush_cache":
+            return httpx.Response(200, text="Cache flushed.\n")
+        if path == "/server_info":
+            return httpx.Response(200, json={"version": "0.5.23"})
+        return httpx.Response(200, json={"success": True, "message": "ok"})
+
+    client = RolloutClient([URL], connect=ScriptedServer(handler), pause_mode="in_place",
+                           flush_after_in_place=True)
+
+    async def scenario():
+        held = asyncio.ensure_future(client.agenerate(request(ids=(1, 2, 3))))
+        while "/generate" not in log:
+            await asyncio.sleep(0.005)
+        await client.pause()
+        await client.update_weights_from_disk("/w/v1", 1)
+        await client.resume()
+        fresh = asyncio.ensure_future(client.agenerate(request(ids=(7, 8))))
+        for _ in range(20):  # the fresh request waits for the drain and the flush
+            await asyncio.sleep(0.01)
+        assert log.count("/generate") == 1 and "/flush_cache" not in log
+        release.set()
+        await held
+        await fresh
+        await client.aclose()
+
+    run(scenario())
+    generates = [i for i, path in enumerate(log) if path == "/generate"]
+    assert len(generates) == 2 and generates[0] < log.index("/flush_cache") < generates[1]

@@ -1,0 +1,150 @@
+"""The pinned SGLang release's own code, executed here as the oracle for the embedded server.
+
+SGLang cannot run on these machines (CUDA only), but the rules the embedded server must follow
+are plain Python in its wheel: the HTTP contract gate (``sglang/api/v1/api_types.py``), the
+sampling parameters' normalisation and checks (``srt/sampling/sampling_params.py``), the length
+check (``TokenizerManager._validate_one_request``), the auth decision (``srt/utils/auth.py``) and
+the per-token weight-version spans (``srt/utils/weight_versions.py``). Each is loaded from the
+release's source (``sglang_contract.release_source``: the wheel ``scripts/test.sh`` fetches) by
+file, with stand-ins only for the few imports that would pull in torch or CUDA, and called as
+SGLang calls it."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+import textwrap
+import types
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+
+def _load(root: Path, relative: str, name: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, root / "sglang" / relative)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _stub(name: str, **attrs: Any) -> None:
+    """A stand-in module for an import the loaded file makes (only where the real one would pull
+    in torch or the rest of SGLang)."""
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    sys.modules[name] = module
+
+
+class Release:
+    def __init__(self, root: Path):
+        self.root = root
+        self.api = _load(root, "api/v1/api_types.py", "sglang_oracle_api_types")
+
+        class Watermark(msgspec.Struct):  # the release's own is a plain struct; none is used
+            pass
+
+        saved = {k: sys.modules.get(k) for k in ("sglang", "sglang.srt", "sglang.srt.sampling",
+                                                  "sglang.srt.sampling.watermarking",
+                                                  "sglang.srt.sampling.watermarking.core",
+                                                  "sglang.srt.utils",
+                                                  "sglang.srt.utils.msgspec_utils")}
+        try:
+            _stub("sglang.srt.sampling.watermarking.core", WatermarkRequestConfig=Watermark,
+                  normalize_watermark_request=lambda w: w)
+            _stub("sglang.srt.utils.msgspec_utils",
+                  msgspec_struct_pydantic_core_schema=lambda cls, handler: None)
+            self.sampling = _load(root, "srt/sampling/sampling_params.py", "sglang_oracle_sampling")
+            self.versions = _load(root, "srt/utils/weight_versions.py", "sglang_oracle_versions")
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    sys.modules.pop(key, None)
+                else:
+                    sys.modules[key] = value
+        self.auth = _load(root, "srt/utils/auth.py", "sglang_oracle_auth")
+
+    # ---- the rules, as SGLang applies them ---------------------------------------------------
+
+    def contract_error(self, body: Any) -> str | None:
+        """``api_contract.generate_contract_error``: the gate every /generate body passes."""
+        try:
+            self.api.GenerateRequest.from_json_value(body)
+        except self.api.JsonContractError as exc:
+            return str(exc)
+        return None
+
+    def sampling_params(self, **params: Any) -> Any:
+        """``SamplingParams(**params)`` after its ``__post_init__``; ``verify`` raises
+        ValueError with SGLang's message."""
+        sp = self.sampling.SamplingParams(**params)
+        sp.verify(vocab_size=1 << 20)
+        return sp
+
+    def length_error(self, prompt_tokens: int, max_new_tokens: int | None,
+                     context_len: int) -> str | None:
+        """``TokenizerManager._validate_one_request``'s length checks, its own code, on a
+        manager whose context is ``context_len`` (auto-truncation off, its default)."""
+        fn = _validate_one_request(self.root)
+        manager = types.SimpleNamespace(
+            context_len=context_len, num_reserved_tokens=0, allow_auto_truncate=False,
+            validate_total_tokens=True, _validate_joint_schema_request=lambda obj, ids: None)
+        obj = types.SimpleNamespace(image_data=None, sampling_params={"max_new_tokens": max_new_tokens})
+        try:
+            fn(manager, obj, list(range(prompt_tokens)))
+        except ValueError as exc:
+            return str(exc)
+        except _PastTheLengthChecks:
+            return None
+        return None
+
+    def allowed(self, method: str, path: str, authorization: str | None, key: str | None,
+                level: str) -> bool:
+        decision = self.auth.decide_request_auth(
+            method=method, path=path, authorization_header=authorization, api_key=key,
+            admin_api_key=key, auth_level=self.auth.AuthLevel(level))
+        return decision.allowed
+
+    def version_meta(self, events: list[tuple[str, int]], current: str, tokens: int) -> dict:
+        recorded = [self.versions.WeightVersionEvent(old_version=v, num_output_tokens=n)
+                    for v, n in events]
+        spans = self.versions.compute_weight_version_spans(recorded, current, tokens)
+        meta: dict = {}
+        self.versions.add_weight_versions_to_meta_info(meta, spans, tokens)
+        return meta
+
+
+class _PastTheLengthChecks(Exception):
+    """Raised by the stand-ins the checks after the length checks reach: the request fit."""
+
+
+@cache
+def _validate_one_request(root: Path):
+    """The method's own source, compiled with stand-ins for the names it reads besides the
+    manager (the execution-feature flags; the request classes after the length checks)."""
+    source = (root / "sglang/srt/managers/tokenizer_manager.py").read_text()
+    tree = ast.parse(source)
+    node = next(n for n in ast.walk(tree)
+                if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+                and n.name == "_validate_one_request")
+    node.decorator_list = []
+    code = textwrap.dedent(ast.get_source_segment(source, node))
+
+    class Past:
+        def __instancecheck__(self, obj):
+            raise _PastTheLengthChecks
+
+    features = types.SimpleNamespace(features=types.SimpleNamespace(
+        enable_encoder_swa_bounded_replay=False))
+    namespace = {"get_exec": lambda: features, "logger": types.SimpleNamespace(warning=print),
+                 "GenerateReqInput": Past(), "EmbeddingReqInput": Past(),
+                 "Union": Any, "List": list, "Optional": Any}
+    exec(compile("from __future__ import annotations\n" + code, "tokenizer_manager.py", "exec"),
+         namespace)
+    return namespace["_validate_one_request"]
