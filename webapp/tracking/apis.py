@@ -58,7 +58,8 @@ class PointInput(serializers.Serializer):
 
     key = BoundedText(max_length=100)
     step = serializers.IntegerField(min_value=-(2**63), max_value=2**63 - 1)
-    value = serializers.FloatField()
+    value = serializers.FloatField(allow_null=True, help_text=(
+        "null: a value the trainer could not send (NaN or infinite), skipped"))
     time = serializers.FloatField(required=False, help_text="Unix seconds; default: now")
 
 

@@ -49,7 +49,9 @@ def _clean_points(points: list[dict[str, Any]]) -> list[tuple[str, int, float, f
     lo, hi = INT64
     for i, p in enumerate(points):
         try:
-            key, step, value = str(p["key"]), p["step"], float(p["value"])
+            # null: a value the trainer could not send (NaN, inf): not plottable, skipped
+            key, step, raw = str(p["key"]), p["step"], p["value"]
+            value = math.nan if raw is None else float(raw)
             wall = p.get("time") or now
         except (AttributeError, KeyError, TypeError, ValueError):
             raise ApplicationError("each point needs key (text), step (integer), value (number)",
