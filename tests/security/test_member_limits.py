@@ -93,7 +93,7 @@ def test_the_spec_check_and_the_form_show_the_limits(api, alice):  # noqa: F811
 
 
 def test_administrators_are_not_held_to_member_limits(api, alice, project, dataset_version,  # noqa: F811
-                                                      reward_version):
+                                                      reward_version):  # noqa: F811
     alice.is_staff = True
     alice.save()
     r = _create(api, project, dataset_version, reward_version, {"reward": {"memory_mb": 16_384}})
