@@ -12,12 +12,14 @@ process and one cgroup per jail bounding memory (tmpfs included), processes and 
 
 A :class:`JailedWorker` is one persistent jailed Python that scores calls one at a time over a
 private line protocol (so many samples cost one start-up). Every request carries a sequence id
-that its reply must echo; a reply with another id, or any byte the worker sends unasked, kills the
-worker (a reward writing to the protocol fd can never shift answers onto later calls). The
-reward's own stdout and stderr go to /dev/null. Each call has a deadline and each answer a size
-cap; a worker that misses either is killed whole and replaced. After every call, any process the
-call left behind in the jail is killed. Nothing the reward says is stored beyond a short, capped
-error message.
+that its reply must echo; a reply with another id or another shape than ``{id, reward,
+extracted}`` (a finite number) or ``{id, error}``, a line that is not strict JSON (NaN, Infinity,
+nesting that raises RecursionError), or any byte the worker sends unasked, kills the worker (a
+reward writing to the protocol fd can never shift answers onto later calls, nor hand the trainer
+a NaN). The reward's own stdout and stderr go to /dev/null. Each call has a deadline and each
+answer a size cap; a worker that misses either is killed whole and replaced. After every call,
+any process the call left behind in the jail is killed and the jail is frozen until the next
+call. Nothing the reward says is stored beyond a short, capped error message.
 """
 
 from __future__ import annotations

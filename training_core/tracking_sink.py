@@ -77,10 +77,21 @@ class HttpSink:
 
     def _append(self, *records: dict[str, Any]) -> None:
         lines = "".join(_dumps(r) + "\n" for r in records)
-        with self._lock, self.spool.open("a") as fh:
-            fh.write(lines)
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with self._lock, self.spool.open("a") as fh:
+                fh.write(lines)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            # The spool's disk is full (or gone): these records go straight to the tracker, once,
+            # so a run failing for a full disk still reports it.
+            log.error("metrics spool %s unwritable (%s): delivering %d records directly",
+                      self.spool, exc, len(records))
+            try:
+                self._deliver([json.loads(line) for line in lines.splitlines()])
+            except httpx.HTTPError as err:
+                log.error("tracker unreachable too: %d records lost (%s)", len(records), err)
+            return
         self._wake.set()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

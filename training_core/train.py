@@ -18,7 +18,7 @@ import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from training_core.batching import build_train_batch, rows_with_gradient
 from training_core.checkpoint import checkpoint_dir, prune_checkpoints
 from training_core.checkpoint_store import CheckpointStore
 from training_core.config import RunSpec
+from training_core.disk_full import failure_reason
 from training_core.evaluation import evaluate
 from training_core.metrics import BATCH_LOG
 from training_core.reward_failures import RewardFailureWatch
@@ -175,9 +176,14 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
     except BaseException as exc:
         if run.world > 1:
             scatter_batch(None, run.world)  # tell the other ranks to stop
-        sink.event("failed", f"{type(exc).__name__}: {exc}", step=step)
+        reason = failure_reason(exc, run.run_dir)  # [issue 47] a full disk is named as such
+        # Each report on its own: a sink that cannot write (a full disk) must neither keep the
+        # status from going out nor replace the run's own error.
+        with suppress(Exception):
+            sink.event("failed", reason, step=step)
         if spec.metrics.report_status:
-            sink.status("failed", f"{type(exc).__name__}: {exc}")
+            with suppress(Exception):
+                sink.status("failed", reason)
         raise
     finally:
         bar.close()

@@ -54,3 +54,20 @@ def test_one_record_the_tracker_refuses_costs_only_itself(live_server, run, inge
     assert sink.pending() == 0 and sink.rejected == 2  # the batch, then the record alone
     assert MetricPoint.objects.filter(run=run, key="reward/mean").count() == 6
     assert RunEvent.objects.filter(run=run, kind="note").count() == 5
+
+
+def test_a_429_keeps_the_records_for_later(live_server, run, ingest_token, tmp_path,  # noqa: F811
+                                           settings):
+    """The tracker's per-token rate (429) is waited out: nothing is dropped as refused."""
+    settings.INGEST_RATE_PER_S = 0  # every request over the rate
+    sink = HttpSink(live_server.url, ingest_token, spool_dir=tmp_path / "spool",
+                    flush_interval_s=0.05, close_timeout_s=1.0)
+    sink.log(1, {"reward/mean": 0.5})
+    sink.close()
+    assert sink.pending() == 1 and sink.rejected == 0 and sink.failures >= 1
+    settings.INGEST_RATE_PER_S = 20
+    again = HttpSink(live_server.url, ingest_token, spool_dir=tmp_path / "spool",
+                     flush_interval_s=0.05)
+    again.close()
+    assert again.pending() == 0
+    assert MetricPoint.objects.filter(run=run, key="reward/mean").count() == 1
