@@ -18,8 +18,8 @@ nesting that raises RecursionError), or any byte the worker sends unasked, kills
 reward writing to the protocol fd can never shift answers onto later calls, nor hand the trainer
 a NaN). The reward's own stdout and stderr go to /dev/null. Each call has a deadline and each
 answer a size cap; a worker that misses either is killed whole and replaced. After every call,
-any process the call left behind in the jail is killed and the jail is frozen until the next
-call. Nothing the reward says is stored beyond a short, capped error message.
+any process the call left behind in the jail is killed, and a runner that kept threads is frozen
+with the jail until the next call. Nothing the reward says is stored beyond a short, capped error message.
 """
 
 from __future__ import annotations
@@ -240,12 +240,13 @@ class JailedWorker:
         return self.jail.cgroup.kill_except(self._keep)
 
     def _park(self) -> bool:
-        """Between calls nothing of the jail runs: it is frozen, threads the reward started in
-        the runner's own process included. Where this machine has no freezer, a runner left
-        with more threads than it started with is a failure (the worker is replaced)."""
-        if self.jail.freeze():
+        """Between calls nothing of the jail runs. Other processes are killed (``_clean_up``);
+        threads the reward started in the runner's own process are frozen with the whole jail
+        (freezing every time doubled a trivial call's cost: only a runner that kept threads is
+        frozen). Where this machine has no freezer, such a runner is a failure (replaced)."""
+        if self.jailed_pid is None or _threads(self.jailed_pid) <= self._threads:
             return True
-        return self.jailed_pid is None or _threads(self.jailed_pid) <= self._threads
+        return self.jail.freeze()
 
     def call(self, completion: str, item: dict[str, Any], timeout_s: float) -> tuple[str, Any]:
         """("ok", {"reward", "extracted"} | {"error"}) or a failure status; on a failure the worker
