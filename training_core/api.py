@@ -126,6 +126,11 @@ class GenerationAborted(EpisodeError):
     """The server aborted a request that no pause interrupted, or one was interrupted too often."""
 
 
+class NonFiniteUpdate(RuntimeError):
+    """An update was refused before its optimizer step: a non-finite advantage, loss or gradient
+    (issue 47: a reward of 1e39 made every parameter NaN). Nothing was applied or pushed."""
+
+
 @runtime_checkable
 class InferenceEngine(Protocol):
     """The rollout side as workflows, evaluation and the loop see it: generation that survives

@@ -261,6 +261,10 @@ class RewardSpec(_Section):
         "fail the run when more than half of a step's rewards fail (raise, time out, die) for "
         "this many consecutive steps; a failed reward scores 0, so such a run would only look "
         "like a hard task"))
+    max_abs: float = Field(1e6, gt=0, le=1e12, description=(
+        "the largest reward magnitude accepted: a reward (or an agent's return) that is not a "
+        "finite number within +-max_abs fails its sample, naming the value (1e39 made every "
+        "parameter NaN). At most 1e12, so float32 advantages stay finite"))
 
 
 _PRESET = "; empty: the preset's value"

@@ -98,6 +98,19 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _each(sinks: list[MetricsSink], call: Any) -> None:
+    """``call`` on every sink, even after one raised (its file on a full disk must not keep the
+    tracker from hearing that the run failed); the first error is raised after."""
+    first: BaseException | None = None
+    for s in sinks:
+        try:
+            call(s)
+        except Exception as exc:  # noqa: BLE001 - re-raised below
+            first = first or exc
+    if first is not None:
+        raise first
+
+
 class MultiSink:
     def __init__(self, sinks: list[MetricsSink]):
         self.sinks = sinks
@@ -107,8 +120,7 @@ class MultiSink:
             s.log(step, metrics)
 
     def event(self, kind: str, message: str, **data: Any) -> None:
-        for s in self.sinks:
-            s.event(kind, message, **data)
+        _each(self.sinks, lambda s: s.event(kind, message, **data))
 
     def trajectories(self, step: int, samples: list[dict[str, Any]]) -> None:
         for s in self.sinks:
@@ -119,8 +131,7 @@ class MultiSink:
             s.checkpoint(step, version, path)
 
     def status(self, status: str, reason: str = "") -> None:
-        for s in self.sinks:
-            s.status(status, reason)
+        _each(self.sinks, lambda s: s.status(status, reason))
 
     def undelivered(self) -> list[dict[str, Any]]:
         return [r for s in self.sinks for r in s.undelivered()]

@@ -4,12 +4,16 @@ otherwise look like a hard task and train on zeros.
 Per step the loop reports ``reward/error_frac``; the first error of each kind (the exception
 type, or the jail's failure: timeout, killed, ...) becomes one event; and when more than half of
 a step's rewards fail for ``reward.max_failing_steps`` consecutive steps the run fails, naming
-the first error.
+the first error. A value out of range (not a finite number within ``reward.max_abs``) is a broken
+reward, not a hard task or a flaky call: when more than half of one step's rewards are out of
+range the run fails at that step, naming the reward and the value.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+OUT_OF_RANGE = "RewardOutOfRange"  # rewards.pool names a value out of range with this kind
 
 
 class RewardsFailing(RuntimeError):
@@ -31,6 +35,7 @@ class RewardFailureWatch:
     seen: dict[str, str] = field(default_factory=dict)  # kind -> the first message of that kind
     failing_steps: int = 0
     last_frac: float = 0.0
+    out_of_range: str | None = None  # this step's first value out of range, when most were
 
     def observe(self, errors: list[str | None]) -> tuple[float, list[tuple[str, str]]]:
         """The step's error fraction and the (kind, message) pairs seen for the first time
@@ -45,10 +50,17 @@ class RewardFailureWatch:
                 new.append((kind, message))
         self.failing_steps = self.failing_steps + 1 if frac > 0.5 else 0
         self.last_frac = frac
+        wild = [e for e in failed if error_kind(e) == OUT_OF_RANGE]
+        self.out_of_range = (f"{len(wild)} of {len(errors)} rewards out of range; first: {wild[0]}"
+                             if errors and len(wild) / len(errors) > 0.5 else None)
         return frac, new
 
     def check(self) -> None:
-        """Raises :class:`RewardsFailing` once the consecutive-failure bound is reached."""
+        """Raises :class:`RewardsFailing` once the consecutive-failure bound is reached, or at
+        once when most of the step's rewards were out of range."""
+        if self.out_of_range is not None:
+            raise RewardsFailing(f"the reward function returns values out of range: "
+                                 f"{self.out_of_range[:500]}")
         if self.failing_steps >= self.max_failing_steps:
             frac = self.last_frac
             first = next(iter(self.seen.values()), "")

@@ -12,18 +12,21 @@ process and one cgroup per jail bounding memory (tmpfs included), processes and 
 
 A :class:`JailedWorker` is one persistent jailed Python that scores calls one at a time over a
 private line protocol (so many samples cost one start-up). Every request carries a sequence id
-that its reply must echo; a reply with another id, or any byte the worker sends unasked, kills the
-worker (a reward writing to the protocol fd can never shift answers onto later calls). The
-reward's own stdout and stderr go to /dev/null. Each call has a deadline and each answer a size
-cap; a worker that misses either is killed whole and replaced. After every call, any process the
-call left behind in the jail is killed. Nothing the reward says is stored beyond a short, capped
-error message.
+that its reply must echo; a reply with another id or another shape than ``{id, reward,
+extracted}`` (a finite number) or ``{id, error}``, a line that is not strict JSON (NaN, Infinity,
+nesting that raises RecursionError), or any byte the worker sends unasked, kills the worker (a
+reward writing to the protocol fd can never shift answers onto later calls, nor hand the trainer
+a NaN). The reward's own stdout and stderr go to /dev/null. Each call has a deadline and each
+answer a size cap; a worker that misses either is killed whole and replaced. After every call,
+any process the call left behind in the jail is killed, and a runner that kept threads is frozen
+with the jail until the next call. Nothing the reward says is stored beyond a short, capped error message.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import select
 import signal
@@ -100,6 +103,44 @@ for line in sys.stdin:
 '''.replace("FILES_DIR", FILES_DIR)
 
 
+_NO_CONSTANT = object()
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def strict_json(line: bytes) -> Any:
+    """A reply line as JSON, or ``_NO_CONSTANT`` where it is not strict JSON: ``NaN`` and
+    ``Infinity`` (which Python's parser takes by default) and nesting deep enough to raise
+    RecursionError (which no ``except ValueError`` catches) are refused like any garbage."""
+    try:
+        return json.loads(line, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError):
+        return _NO_CONSTANT
+
+
+ERROR_CHARS = 1000  # what the host keeps of a reward's error text
+
+
+def valid_reply(answer: dict[str, Any], seq: int) -> bool:
+    """A reward call's reply is ``{"id", "reward", "extracted"}`` with a finite number and text
+    (or null), or ``{"id", "error"}`` with text; ``id`` echoes the call's (an int, not ``true``).
+    Anything else is the worker writing to the protocol on its own."""
+    if type(answer.get("id")) is not int or answer["id"] != seq:
+        return False
+    if answer.keys() == {"id", "error"}:
+        if not isinstance(answer["error"], str):
+            return False
+        answer["error"] = answer["error"][:ERROR_CHARS]
+        return True
+    if answer.keys() - {"extracted"} != {"id", "reward"}:
+        return False
+    reward, extracted = answer["reward"], answer.get("extracted")
+    return (type(reward) in (int, float) and math.isfinite(reward)
+            and (extracted is None or isinstance(extracted, str)))
+
+
 class JailedWorker:
     """One jailed Python that scores ``(completion, item)`` calls for one reward."""
 
@@ -119,6 +160,7 @@ class JailedWorker:
         self.proc = self.jail.proc
         self._keep: set[int] = set()
         self.jailed_pid: int | None = None
+        self._threads = 0
         try:
             self._send(reward)
             status, answer = self._receive(limits.start_timeout_s if start_timeout_s is None
@@ -146,7 +188,9 @@ class JailedWorker:
         inner = {1, answer.get("pid", 2)}
         self._keep = {self.proc.pid} | {p for p in self.jail.cgroup.pids() if ns_pid(p) in inner}
         self.jailed_pid = next((p for p in self._keep if ns_pid(p) == answer.get("pid")), None)
+        self._threads = _threads(self.jailed_pid)
         self._clean_up()
+        self._park()
 
     def _stderr(self) -> str:
         """What bwrap wrote before it ended (its setup errors), capped."""
@@ -188,15 +232,21 @@ class JailedWorker:
         line, _, self._buffer = self._buffer.partition(b"\n")
         if len(line) > self.limits.answer_bytes:
             return "overflow", None
-        try:
-            answer = json.loads(line)
-        except ValueError:
-            return "protocol", None
+        answer = strict_json(line)
         return ("ok", answer) if isinstance(answer, dict) else ("protocol", None)
 
     def _clean_up(self) -> bool:
         """Kill whatever the last call left running in the jail; False if that failed."""
         return self.jail.cgroup.kill_except(self._keep)
+
+    def _park(self) -> bool:
+        """Between calls nothing of the jail runs. Other processes are killed (``_clean_up``);
+        threads the reward started in the runner's own process are frozen with the whole jail
+        (freezing every time doubled a trivial call's cost: only a runner that kept threads is
+        frozen). Where this machine has no freezer, such a runner is a failure (replaced)."""
+        if self.jailed_pid is None or _threads(self.jailed_pid) <= self._threads:
+            return True
+        return self.jail.freeze()
 
     def call(self, completion: str, item: dict[str, Any], timeout_s: float) -> tuple[str, Any]:
         """("ok", {"reward", "extracted"} | {"error"}) or a failure status; on a failure the worker
@@ -205,16 +255,17 @@ class JailedWorker:
             self.kill()
             return "protocol", None
         self._seq += 1
+        self.jail.thaw()
         try:
             self._send({"id": self._seq, "completion": completion, "item": item})
         except (BrokenPipeError, OSError):
             self.kill()
             return "died", None
         status, answer = self._receive(timeout_s)
-        if status == "ok" and answer.get("id") != self._seq:
+        if status == "ok" and not valid_reply(answer, self._seq):
             status, answer = "protocol", None
-        if status == "ok" and not self._clean_up():
-            self.kill()  # a fork bomb outran the kills: the whole jail goes
+        if status == "ok" and not (self._clean_up() and self._park()):
+            self.kill()  # a fork bomb outran the kills, or threads ran on: the whole jail goes
         elif status != "ok":
             self.kill()
         return status, answer
@@ -236,6 +287,17 @@ class JailedWorker:
                     stream.close()
                 except OSError:
                     pass
+
+
+def _threads(pid: int | None) -> int:
+    """How many threads host process ``pid`` has (0 if it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def failure_message(status: str, timeout_s: float, limits: Limits,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -27,6 +28,26 @@ import httpx
 from training_core.transport.http import ServerError, WebClient
 
 log = logging.getLogger(__name__)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN and infinity made null, at any depth."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _dumps(record: dict[str, Any]) -> str:
+    """Strict JSON (the tracker refuses NaN): non-finite numbers in events' data and samples'
+    info go as null. The common case pays one encode."""
+    try:
+        return json.dumps(record, default=str, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(record), default=str, allow_nan=False)
 
 
 class HttpSink:
@@ -48,23 +69,37 @@ class HttpSink:
         self._stop = False
         self.delivered = 0
         self.failures = 0
+        self.rejected = 0  # requests the tracker refused for good (a 4xx other than 429)
         self._thread = threading.Thread(target=self._run, name="http-sink", daemon=True)
         self._thread.start()
 
     # ---- MetricsSink ---------------------------------------------------------------------
 
     def _append(self, *records: dict[str, Any]) -> None:
-        lines = "".join(json.dumps(r, default=str) + "\n" for r in records)
-        with self._lock, self.spool.open("a") as fh:
-            fh.write(lines)
-            fh.flush()
-            os.fsync(fh.fileno())
+        lines = "".join(_dumps(r) + "\n" for r in records)
+        try:
+            with self._lock, self.spool.open("a") as fh:
+                fh.write(lines)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            # The spool's disk is full (or gone): these records go straight to the tracker, once,
+            # so a run failing for a full disk still reports it.
+            log.error("metrics spool %s unwritable (%s): delivering %d records directly",
+                      self.spool, exc, len(records))
+            try:
+                self._deliver([json.loads(line) for line in lines.splitlines()])
+            except httpx.HTTPError as err:
+                log.error("tracker unreachable too: %d records lost (%s)", len(records), err)
+            return
         self._wake.set()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         now = time.time()
+        # A NaN or inf goes as null (the tracker skips it): JSON has no NaN, and the tracker
+        # refused a whole batch for one (up to 2,000 records, silently).
         self._append({"type": "metrics", "points": [
-            {"key": k, "step": step, "value": v, "time": now}
+            {"key": k, "step": step, "value": v if math.isfinite(v) else None, "time": now}
             for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]})
 
     def event(self, kind: str, message: str, **data: Any) -> None:
@@ -133,26 +168,38 @@ class HttpSink:
         # The spool only grows; anything past the delivered offset is pending. No parsing.
         return self.spool.exists() and self.spool.stat().st_size > self._offset()
 
-    def _post(self, path: str, payload: dict[str, Any]) -> None:
-        # One try: the delivery loop below is the retry (the records wait in the spool, for as
-        # long as it takes). A 4xx will not heal by retrying: record it and move on.
+    def _post(self, path: str, payload: dict[str, Any]) -> bool:
+        """True if the tracker took it. One try: the delivery loop below is the retry (the
+        records wait in the spool, for as long as it takes), and so for a 429 (the run's ingest
+        rate). Another 4xx will not heal by retrying: False, after recording it."""
         try:
             self.web.request("POST", path, json=payload, retry=False)
         except ServerError:
             raise
         except httpx.HTTPStatusError as exc:
+            if exc.response.status_code == 429:
+                raise
             log.error("tracker rejected %s: %s", path, exc)
+            self.rejected += 1
+            return False
+        return True
+
+    def _post_each(self, path: str, field: str, parts: list[list[Any]]) -> None:
+        """``parts`` (one list per spooled record) in one request; if the tracker refuses it,
+        record by record, so one bad record never costs the others their delivery."""
+        items = [x for part in parts for x in part]
+        if items and not self._post(path, {field: items}) and len(parts) > 1:
+            for part in parts:
+                if part:
+                    self._post(path, {field: part})
 
     def _deliver(self, records: list[dict[str, Any]]) -> None:
-        points = [p for r in records if r["type"] == "metrics" for p in r["points"]]
-        if points:
-            self._post("/api/ingest/metrics/", {"points": points})
-        events = [r["event"] for r in records if r["type"] == "event"]
-        if events:
-            self._post("/api/ingest/events/", {"events": events})
-        samples = [x for r in records if r["type"] == "trajectories" for x in r["samples"]]
-        if samples:
-            self._post("/api/ingest/trajectories/", {"samples": samples})
+        self._post_each("/api/ingest/metrics/", "points",
+                        [r["points"] for r in records if r["type"] == "metrics"])
+        self._post_each("/api/ingest/events/", "events",
+                        [[r["event"]] for r in records if r["type"] == "event"])
+        self._post_each("/api/ingest/trajectories/", "samples",
+                        [r["samples"] for r in records if r["type"] == "trajectories"])
         for r in records:
             if r["type"] == "checkpoint":
                 self._post("/api/ingest/checkpoints/", {k: r[k] for k in ("step", "version", "path")})

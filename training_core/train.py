@@ -18,7 +18,7 @@ import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,11 +36,12 @@ from training_core.algorithms.correction import (
 )
 from training_core.algorithms.loss import decoupled_ppo_loss, resolve_correction
 from training_core.algorithms.presets import AlgorithmConfig
-from training_core.api import MetricsSink, TrainBatch, TrainEngine
+from training_core.api import MetricsSink, NonFiniteUpdate, TrainBatch, TrainEngine
 from training_core.batching import build_train_batch, rows_with_gradient
 from training_core.checkpoint import checkpoint_dir, prune_checkpoints
 from training_core.checkpoint_store import CheckpointStore
 from training_core.config import RunSpec
+from training_core.disk_full import failure_reason
 from training_core.evaluation import evaluate
 from training_core.metrics import BATCH_LOG
 from training_core.reward_failures import RewardFailureWatch
@@ -49,6 +50,7 @@ from training_core.staleness import rows_needing_proximal
 from training_core.step_metrics import batch_metrics, sample_records, step_metrics
 from training_core.thread_share import ThreadShare
 from training_core.transport.weight_sync import WeightSync, push_weights
+from training_core.update_guard import UpdateRefusals
 from training_core.world import (
     all_reduce_max,
     all_reduce_sum,
@@ -81,6 +83,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
     algo, trainer, sync, client, executor = run.algo, run.trainer, run.sync, run.client, run.executor
     sink, policy, B = run.sink, run.policy, spec.trainer.batch_groups
     timers, reward_watch = Timers(), RewardFailureWatch(spec.reward.max_failing_steps)
+    refusals = UpdateRefusals(spec, sink)
     first_eval = last_eval = None
     sink.event("started", f"run {spec.name} at version {policy.current}", run_dir=str(run.run_dir))
     if spec.metrics.report_status:
@@ -103,6 +106,8 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
             with timers("wait_rollout"):
                 batch = executor.prepare_batch(B, policy.current,
                                                timeout_s=spec.rollout.batch_timeout_s)
+            if refusals.rewards_refused(batch.groups, step, run.world):  # [issue 47] no NaN
+                continue  # in (raises when it repeats): see training_core/update_guard.py
             metrics = batch_metrics(batch.groups, policy.current, algo)
             batch_log.write(json.dumps({"step": step, "version": policy.current,
                                         "prompts": [g.prompt_index for g in batch.groups]}) + "\n")
@@ -124,8 +129,13 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
                 tb = scatter_batch(tb, run.world)  # this rank's share (all of it with one process)
 
             # 3-5. Proximal logprobs, update, weight export: on every rank (collective_update).
-            stats = collective_update(trainer, tb, algo, spec, sync, policy.current + 1, timers,
-                                      run.threads)
+            try:
+                stats = collective_update(trainer, tb, algo, spec, sync, policy.current + 1,
+                                          timers, run.threads)
+            except NonFiniteUpdate as exc:  # [issue 47] refused before the step: nothing pushed
+                refusals.refused(exc, batch.groups, step)  # raises when it repeats
+                continue
+            refusals.accepted()
 
             # 6. Pause generation only for the load, then advance the version: in-flight requests
             #    abort and are re-submitted with their partial output once generation continues.
@@ -166,9 +176,14 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
     except BaseException as exc:
         if run.world > 1:
             scatter_batch(None, run.world)  # tell the other ranks to stop
-        sink.event("failed", f"{type(exc).__name__}: {exc}", step=step)
+        reason = failure_reason(exc, run.run_dir)  # [issue 47] a full disk is named as such
+        # Each report on its own: a sink that cannot write (a full disk) must neither keep the
+        # status from going out nor replace the run's own error.
+        with suppress(Exception):
+            sink.event("failed", reason, step=step)
         if spec.metrics.report_status:
-            sink.status("failed", f"{type(exc).__name__}: {exc}")
+            with suppress(Exception):
+                sink.status("failed", reason)
         raise
     finally:
         bar.close()
@@ -188,8 +203,11 @@ def follow_rank0(run: Run) -> RunResult:
         tb = scatter_batch(None, run.world)
         if tb is None:
             break
-        collective_update(run.trainer, tb, run.algo, run.spec, run.sync, run.policy.current + 1,
-                          timers)
+        try:
+            collective_update(run.trainer, tb, run.algo, run.spec, run.sync,
+                              run.policy.current + 1, timers)
+        except NonFiniteUpdate:  # [issue 47] every rank refused it; rank 0 decides what follows
+            continue
         run.policy.advance()  # this rank's count: it numbers its exports and checkpoints
         checkpoint_if_due(run.trainer, run.spec, run.run_dir, step, run.policy.current, dict,
                           timers)

@@ -9,10 +9,15 @@ from celery import shared_task
 from django.db import OperationalError
 
 
+# acks_late with reject_on_worker_lost: a worker killed inside the submission (OOM, a node
+# lost) puts the message back instead of acknowledging it, and the next worker submits. Safe
+# because the task is idempotent; runs_reconcile sends again whatever is still lost.
 @shared_task(name="oolong.run_submit", bind=True, max_retries=5, default_retry_delay=5,
-             autoretry_for=(OperationalError, ConnectionError), retry_backoff=True)
+             autoretry_for=(OperationalError, ConnectionError), retry_backoff=True,
+             acks_late=True, reject_on_worker_lost=True)
 def run_submit(self, run_id: int) -> str | None:
-    """Start the run's Prefect flow. Safe to run twice: a run already submitted is left alone."""
+    """Start the run's Prefect flow. Safe to run twice: a run already submitted is left alone,
+    and a flow a killed worker started is found again, not started twice."""
     from webapp.runs.orchestration import run_submit_to_orchestrator
 
     return run_submit_to_orchestrator(run_id=run_id)

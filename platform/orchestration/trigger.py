@@ -95,12 +95,34 @@ def submit_training_run(*, run_id: int, tracker_url: str, ingest_token: str,
         prefect_database_ready(env)
     env["OOLONG_INGEST_TOKEN"] = ingest_token  # not on the command line (visible in ps)
     env["OOLONG_RUN_ID"] = str(run_id)  # inherited by every process of the run (teardown checks)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestration.flows.training_run", "--run-id", str(run_id),
-         "--tracker-url", tracker_url, "--provider", provider, *(["--resume"] if resume else [])],
-        cwd=ROOT, env=env, stdout=(runs_dir / "flow.log").open("a"), stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, start_new_session=True)
+    # [issue 47] One flow per (run, attempt), as the server mode's idempotency key gives: a
+    # submission retried after a worker died between starting the flow and recording it finds
+    # the flow it started instead of starting a second.
+    pid_file = runs_dir / f"flow-attempt-{attempt}.pid"
+    with open(runs_dir / ".submit.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        started = _local_flow(pid_file, run_id)
+        if started is not None:
+            return f"local:{started}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestration.flows.training_run", "--run-id", str(run_id),
+             "--tracker-url", tracker_url, "--provider", provider,
+             *(["--resume"] if resume else [])],
+            cwd=ROOT, env=env, stdout=(runs_dir / "flow.log").open("a"),
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        pid_file.write_text(str(proc.pid))
     return f"local:{proc.pid}"
+
+
+def _local_flow(pid_file: Path, run_id: int) -> int | None:
+    """The pid of this run's live local flow recorded in ``pid_file``, if it still runs."""
+    try:
+        pid = int(pid_file.read_text())
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError):
+        return None
+    ours = b"orchestration.flows.training_run" in argv and str(run_id).encode() in argv
+    return pid if ours and flow_alive(f"local:{pid}") else None
 
 
 def flow_alive(ref: str) -> bool | None:

@@ -356,26 +356,3 @@ def test_a_32_bit_syscall_cannot_bypass_the_filter():
     # Unfiltered, the call would return (0, or -EPERM as a float): the runner would answer "ok".
     # bwrap exits 128 + SIGSYS, unless the pool's kill reached it first (-SIGKILL).
     assert status == "died" and worker.returncode in (128 + 31, -9), (status, worker.returncode)
-
-
-def test_a_bound_scratch_directory_is_the_jails_and_nobody_elses(tmp_path):
-    """``make_scratch`` + ``spawn(scratch=...)`` (how an agent's jail shares a socket with its
-    gateway): the jail works in it, and on the host it is 0700 and owned by the jail's user."""
-    import shutil
-    import subprocess
-
-    from training_core.jail import FILES_DIR, jail_user, make_scratch, python, spawn
-
-    scratch = make_scratch(tmp_path / "scratch")
-    jail = spawn([python(), "-I", f"{FILES_DIR}/w.py"], scratch=scratch, stdout=subprocess.PIPE,
-                 files={"w.py": "import os\nopen('made', 'w').write(os.getcwd())\n"})
-    try:
-        jail.proc.communicate(timeout=60)
-    finally:
-        jail.kill()
-    assert jail.proc.returncode == 0 and (scratch / "made").read_text() == "/scratch"
-    owner = jail_user() or (os.getuid(), os.getgid())
-    st = scratch.stat()
-    assert (st.st_uid, st.st_gid) == owner and st.st_mode & 0o777 == 0o700
-    assert (scratch / "made").stat().st_uid == owner[0]
-    shutil.rmtree(scratch)

@@ -23,14 +23,19 @@ from training_core.algorithms.advantages import group_advantages
 from training_core.algorithms.presets import AlgorithmConfig
 from training_core.api import Trajectory, TrajectoryGroup
 from training_core.gateway.session import NOT_A_TURN, Session
+from training_core.rewards.bounds import REWARD_MAX_ABS, reward_value_problem
 
 
 class BadReward(ValueError):
     """The agent returned something that is not a reward for this episode."""
 
 
-def turn_returns(reward: Any, turns: int, discount: float) -> list[float]:
-    """G_t for t = 0..turns-1 (see the module doc)."""
+def turn_returns(reward: Any, turns: int, discount: float,
+                 max_abs: float = REWARD_MAX_ABS) -> list[float]:
+    """G_t for t = 0..turns-1 (see the module doc). Whatever the agent returned is checked where
+    it enters: numbers only (``[None]`` is a bad reward of this episode, not a crash of the run),
+    each finite and within ``max_abs`` (``reward.max_abs``), and each return after summing too
+    (per-turn rewards of 1e308 sum to inf)."""
     if isinstance(reward, bool) or not isinstance(reward, int | float | list | tuple):
         raise BadReward(f"the agent returned {type(reward).__name__}: return a float reward or a "
                         "list with one float per completion")
@@ -38,24 +43,30 @@ def turn_returns(reward: Any, turns: int, discount: float) -> list[float]:
         if len(reward) != turns:
             raise BadReward(f"the agent returned {len(reward)} rewards for {turns} completions: "
                             "return one per completion, or one float")
-        per_turn = [float(r) for r in reward]
+        values = list(reward)
     else:
-        per_turn = [0.0] * (turns - 1) + [float(reward)] if turns else []
-    if any(r != r or r in (float("inf"), float("-inf")) for r in per_turn):
-        raise BadReward("the agent returned a NaN or infinite reward")
+        values = [0.0] * (turns - 1) + [reward] if turns else []
+    per_turn = [_checked(r, max_abs, "reward") for r in values]
     out, running = [0.0] * turns, 0.0
     for t in range(turns - 1, -1, -1):
         running = per_turn[t] + discount * running
-        out[t] = running
+        out[t] = _checked(running, max_abs, f"return of turn {t} (rewards summed)")
     return out
 
 
+def _checked(value: Any, max_abs: float, what: str) -> float:
+    problem = reward_value_problem(value, max_abs)
+    if problem is not None:
+        raise BadReward(f"the agent's {what} {problem}")
+    return float(value)
+
+
 def episode_trajectories(session: Session, reward: Any, *, episode: int,
-                         discount: float = 1.0) -> list[Trajectory]:
+                         discount: float = 1.0, max_abs: float = REWARD_MAX_ABS) -> list[Trajectory]:
     """The session's segments as rows: exact ids, behaviour logprobs and versions as sampled."""
     if session.turns == 0:
         raise BadReward("the agent made no chat completion")
-    returns = turn_returns(reward, session.turns, discount)
+    returns = turn_returns(reward, session.turns, discount, max_abs)
     rows = []
     for k, seg in enumerate(session.segments):
         token_returns = [returns[t] if t != NOT_A_TURN else 0.0 for t in seg.turns]

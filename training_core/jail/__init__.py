@@ -16,20 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from training_core.jail import cgroups, seccomp
+from training_core.jail import cgroups, seccomp, uids
 from training_core.jail.argv import (
     FILES_DIR,
     bwrap_path,
     jail_argv,
     jail_user,
-    make_scratch,
     python,
     runtime_paths,
 )
 from training_core.jail.errors import SandboxUnavailable
 
 __all__ = ["FILES_DIR", "PROTOCOL_PRELUDE", "Jail", "Limits", "SandboxUnavailable", "bwrap_path", "check_available",
-           "jail_argv", "jail_user", "make_scratch", "python", "runtime_paths", "spawn"]
+           "jail_argv", "jail_user", "python", "runtime_paths", "spawn"]
 
 
 # The start of every jailed Python runner (rewards, agents): the protocol keeps a private dup of
@@ -78,14 +77,28 @@ def check_available() -> str:
 
 @dataclass
 class Jail:
-    """One running jail: bwrap (``proc``) and everything in its cgroup."""
+    """One running jail: bwrap (``proc``) and everything in its cgroup, running as ``uid`` (a
+    root caller's jail: its own leased uid; None for a non-root caller's user namespace)."""
 
     proc: subprocess.Popen
     cgroup: cgroups.JailCgroup
+    uid_lease: uids.UidLease | None = None
+
+    @property
+    def uid(self) -> int | None:
+        return self.uid_lease.uid if self.uid_lease is not None else None
+
+    def freeze(self) -> bool:
+        """Stop every thread of the jail (between calls); False where no freezer is here."""
+        return self.cgroup.freeze()
+
+    def thaw(self) -> None:
+        self.cgroup.thaw()
 
     def kill(self) -> None:
         """bwrap's process group, then whatever else is in the cgroup (setsid children
-        included), then the cgroup itself."""
+        included), then the cgroup itself; then the jail's uid is free for another jail."""
+        self.cgroup.thaw()  # a frozen task dies only once thawed (cgroup v1)
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -96,6 +109,9 @@ class Jail:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        if self.uid_lease is not None and not self.cgroup.dirs:
+            # Only once nothing of the jail is left: its uid must not run two jails at once.
+            self.uid_lease.release()
 
 
 def _memfd(name: str, data: bytes) -> int:
@@ -106,13 +122,21 @@ def _memfd(name: str, data: bytes) -> int:
 
 
 def spawn(argv: list[str], *, limits: Limits = Limits(), files: dict[str, str] | None = None,
-          scratch: Path | None = None, **popen: Any) -> Jail:
+          sockets: dict[str, str | Path] | None = None, **popen: Any) -> Jail:
     """Start ``argv`` in a fresh jail. ``files``: name -> text, readable at ``/oolong/<name>``
-    (handed over by fd: nothing is written on the host). Other keywords go to ``Popen``."""
+    (handed over by fd: nothing is written on the host). ``sockets``: name -> the host path of a
+    Unix socket, bound alone at ``/oolong/<name>``. Other keywords go to ``Popen``."""
     bwrap_path()
-    jail_user()
+    user = jail_user()
     bpf = seccomp.filter_bpf()
-    cgroup = cgroups.JailCgroup(cgroups.CgroupLimits(limits.jail_memory_mb, limits.pids, limits.cpus))
+    lease = uids.lease() if user is not None else None
+    try:
+        cgroup = cgroups.JailCgroup(cgroups.CgroupLimits(limits.jail_memory_mb, limits.pids,
+                                                         limits.cpus))
+    except BaseException:
+        if lease is not None:
+            lease.release()
+        raise
     fds: list[int] = []
     join: list[int] = []
     try:
@@ -131,15 +155,18 @@ def spawn(argv: list[str], *, limits: Limits = Limits(), files: dict[str, str] |
             resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 5))
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
-        cmd = jail_argv(argv, scratch, files=file_fds, seccomp_fd=seccomp_fd,
-                        tmpfs_mb=limits.tmpfs_mb)
+        cmd = jail_argv(argv, files=file_fds, sockets={k: str(v) for k, v in (sockets or {}).items()},
+                        seccomp_fd=seccomp_fd, tmpfs_mb=limits.tmpfs_mb,
+                        uid=lease.uid if lease is not None else None)
         # env empty even for bwrap: the jail's PID 1 is bwrap's init, and /proc/1/environ is its.
         proc = subprocess.Popen(cmd, env={}, preexec_fn=preexec, close_fds=True,
                                 pass_fds=tuple(fds), **popen)
     except BaseException:
         cgroup.remove()
+        if lease is not None:
+            lease.release()
         raise
     finally:
         for fd in fds + join:
             os.close(fd)
-    return Jail(proc, cgroup)
+    return Jail(proc, cgroup, lease)

@@ -5,8 +5,9 @@ is not root, and ``--disable-userns`` forbids nested user namespaces). A root ca
 that: the mapped uid would be host root (a reward once wrote ``kernel.core_pattern`` and ran a
 script as host root). bwrap then builds the namespaces with root's privileges (it must read a
 runtime that may sit under ``/root``) and the jailed command starts through ``setpriv`` as the
-dedicated system user ``oolong-jail``: to the kernel every jailed process is that uid, with no
-capabilities, no-new-privs, and a seccomp filter that refuses new namespaces of any kind.
+dedicated system group ``oolong-jail`` and a uid of its own (``uids.py``): to the kernel every
+jailed process is that uid, with no capabilities, no-new-privs, and a seccomp filter that refuses
+new namespaces of any kind.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def jail_user() -> tuple[int, int] | None:
 
 def python() -> str:
     # The virtualenv's interpreter: its pyvenv.cfg makes the installed packages importable.
-    return str(Path(sys.prefix) / "bin" / "python")
+    # Resolved like runtime_paths(): a virtualenv reached through a symlink (a worktree's .venv)
+    # is mounted at its real path, the only one that exists in the jail.
+    return str(Path(sys.prefix).resolve() / "bin" / "python")
 
 
 def runtime_paths() -> list[Path]:
@@ -71,15 +74,26 @@ def runtime_paths() -> list[Path]:
     return sorted(p for p in paths if not any(q != p and q in p.parents for q in paths))
 
 
-def jail_argv(argv: list[str], scratch: Path | None = None, *, files: dict[str, int] | None = None,
-              seccomp_fd: int | None = None, tmpfs_mb: int = 64) -> list[str]:
+# Kernel facts a jail has no use for, read as empty files: the boot command line, the build
+# configuration and the kernel's symbol table (what an exploit looks up first), and the rest of
+# what container runtimes mask.
+MASKED_PROC = ("/proc/cmdline", "/proc/config.gz", "/proc/kallsyms", "/proc/kcore", "/proc/keys",
+               "/proc/timer_list", "/proc/sched_debug", "/proc/modules", "/proc/iomem",
+               "/proc/ioports", "/proc/latency_stats", "/proc/slabinfo", "/proc/vmallocinfo")
+
+
+def jail_argv(argv: list[str], *, files: dict[str, int] | None = None,
+              sockets: dict[str, str] | None = None, seccomp_fd: int | None = None,
+              tmpfs_mb: int = 64, uid: int | None = None) -> list[str]:
     """bwrap + ``argv`` in the jail.
 
-    ``scratch``: a host directory bound writable at ``/scratch`` (it must be writable by the jail
-    user: see :func:`make_scratch`); None (the default for rewards) gives a ``tmpfs_mb`` tmpfs
-    there instead, so nothing of the jail is left on the host. ``files``: ``name -> fd`` copied
-    read-only to ``/oolong/<name>``. ``seccomp_fd``: the filter (``seccomp.filter_fd()``); pass it
-    in ``pass_fds``. Use :func:`training_core.jail.spawn` unless you need the bare argv.
+    ``/scratch`` (the working directory), ``/tmp`` and ``/dev/shm`` are ``tmpfs_mb`` tmpfs each:
+    nothing of the jail is left on the host. ``files``: ``name -> fd`` copied read-only to
+    ``/oolong/<name>``. ``sockets``: ``name -> host path`` of a Unix socket bound alone at
+    ``/oolong/<name>`` (an agent's gateway session). ``seccomp_fd``: the filter
+    (``seccomp.filter_fd()``); pass it in ``pass_fds``. ``uid``: for a root caller, the jail's
+    own uid (``uids.lease()``; default: the ``oolong-jail`` user's). Use
+    :func:`training_core.jail.spawn` unless you need the bare argv.
     """
     user = jail_user()
     size = str(tmpfs_mb * 2**20)
@@ -88,14 +102,12 @@ def jail_argv(argv: list[str], scratch: Path | None = None, *, files: dict[str, 
         cmd += ["--unshare-all", "--unshare-user", "--disable-userns",
                 "--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID)]
     else:
-        # No user namespace: the jail is in the host's, as the jail user (setpriv below).
-        # setpriv needs SETUID/SETGID to become the jail user and SETPCAP to empty the bounding
-        # set; bwrap's final chdir into a scratch directory owned by the jail user (0700) needs
-        # DAC_READ_SEARCH. Becoming a non-zero uid then clears them all.
+        # No user namespace: the jail is in the host's, as its own uid (setpriv below).
+        # setpriv needs SETUID/SETGID to become that uid and SETPCAP to empty the bounding set.
+        # Becoming a non-zero uid then clears them all.
         cmd += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
                 "--unshare-cgroup", "--cap-drop", "ALL", "--cap-add", "CAP_SETUID",
-                "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP",
-                "--cap-add", "CAP_DAC_READ_SEARCH"]
+                "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
     cmd += ["--cap-drop", "ALL"] if user is None else []
     cmd += ["--die-with-parent", "--new-session", "--clearenv",
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "OMP_NUM_THREADS", "1",
@@ -103,8 +115,11 @@ def jail_argv(argv: list[str], scratch: Path | None = None, *, files: dict[str, 
             "--proc", "/proc",
             # Read-only whoever the jail is (bwrap covers them only when they look writable).
             "--ro-bind", "/proc/sys", "/proc/sys",
-            "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger",
-            "--dev", "/dev",
+            "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger"]
+    for path in MASKED_PROC:
+        if os.path.exists(path):  # the jail's /proc is this kernel's: it has what ours has
+            cmd += ["--ro-bind", "/dev/null", path]
+    cmd += ["--dev", "/dev",
             "--perms", "1777", "--size", size, "--tmpfs", "/tmp",
             "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm"]
     runtime = runtime_paths()
@@ -114,29 +129,18 @@ def jail_argv(argv: list[str], scratch: Path | None = None, *, files: dict[str, 
     for path in runtime:
         cmd += ["--ro-bind", str(path), str(path)]
     # Mounted last, at paths no runtime path lies under (a later mount would hide it).
-    if scratch is None:
-        cmd += ["--perms", "1777", "--size", size, "--tmpfs", "/scratch"]
-    else:
-        cmd += ["--bind", str(scratch), "/scratch"]
+    cmd += ["--perms", "1777", "--size", size, "--tmpfs", "/scratch"]
     cmd += ["--perms", "0755", "--dir", FILES_DIR]
     for name, fd in (files or {}).items():
         cmd += ["--perms", "0444", "--ro-bind-data", str(fd), f"{FILES_DIR}/{name}"]
+    for name, path in (sockets or {}).items():
+        cmd += ["--bind", str(path), f"{FILES_DIR}/{name}"]
     cmd += ["--chdir", "/scratch"]
     if seccomp_fd is not None:
         cmd += ["--seccomp", str(seccomp_fd)]
     if user is not None:
-        uid, gid = user
-        cmd += ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
-                "--inh-caps=-all", "--bounding-set=-all", "--"]
+        jail_uid, gid = user
+        cmd += ["/usr/bin/setpriv", f"--reuid={jail_uid if uid is None else uid}",
+                f"--regid={gid}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
+                "--"]
     return cmd + argv
-
-
-def make_scratch(path: Path) -> Path:
-    """Make ``path`` a scratch directory for :func:`jail_argv`: 0700, owned by whoever the jail
-    runs as (the jail user for a root caller), so the jail and nobody else can write it."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    user = jail_user()
-    if user is not None:
-        os.chown(path, *user)
-    os.chmod(path, 0o700)
-    return path

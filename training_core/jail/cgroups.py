@@ -133,6 +133,12 @@ def _vacate(parent: Path, *, everyone: bool) -> None:
     raise OSError(errno.EBUSY, f"processes keep appearing in {procs}")
 
 
+def _v1_freezer_parent() -> Path | None:
+    """The v1 freezer hierarchy's cgroup of this process, where it is mounted and writable."""
+    path = ROOT / "freezer" / _own_paths().get("freezer", "/").lstrip("/")
+    return path if (path / "cgroup.procs").exists() and os.access(path, os.W_OK) else None
+
+
 def _v1_parents() -> dict[str, Path] | None:
     own = _own_paths()
     parents = {c: ROOT / c / own.get(c, "/").lstrip("/") for c in V1_CONTROLLERS}
@@ -170,6 +176,11 @@ def _sweep(parent: Path) -> None:
         except ValueError:
             continue
         if owner != os.getpid() and not Path(f"/proc/{owner}").exists():
+            for state, thawed in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
+                try:
+                    (child / state).write_text(thawed)  # frozen tasks die only once thawed
+                except OSError:
+                    pass
             try:
                 for pid in _read_pids(child / "cgroup.procs"):
                     os.kill(pid, signal.SIGKILL)
@@ -192,6 +203,8 @@ class JailCgroup:
         self.mode = mode()
         name = f"{PREFIX}{os.getpid()}-{next(_counter)}"
         self.dirs: list[Path] = []
+        self._freeze_file: Path | None = None
+        self.frozen = False
         try:
             if self.mode == "v2":
                 parent = _v2_parent()
@@ -205,15 +218,19 @@ class JailCgroup:
                     (path / "memory.swap.max").write_text("0")
                 (path / "pids.max").write_text(str(limits.pids))
                 (path / "cpu.max").write_text(f"{int(limits.cpus * CPU_PERIOD_US)} {CPU_PERIOD_US}")
+                freeze = path / "cgroup.freeze"
+                self._freeze_file = freeze if freeze.exists() else None
             else:
                 parents = _v1_parents()
                 assert parents is not None
-                for controller in V1_CONTROLLERS:
-                    _sweep(parents[controller])
-                    path = parents[controller] / name
+                freezer = _v1_freezer_parent()
+                for parent in [parents[c] for c in V1_CONTROLLERS] + ([freezer] if freezer else []):
+                    _sweep(parent)
+                    path = parent / name
                     path.mkdir()
                     self.dirs.append(path)
-                memory, pids, cpu = self.dirs
+                memory, pids, cpu = self.dirs[:3]
+                self._freeze_file = (self.dirs[3] / "freezer.state") if freezer else None
                 (memory / "memory.limit_in_bytes").write_text(str(limits.memory_mb * 2**20))
                 if (memory / "memory.memsw.limit_in_bytes").exists():
                     (memory / "memory.memsw.limit_in_bytes").write_text(str(limits.memory_mb * 2**20))
@@ -266,8 +283,27 @@ class JailCgroup:
             time.sleep(0.002)
         return False
 
+    def freeze(self) -> bool:
+        """Stop every thread of the jail where they stand (cgroup v2 ``cgroup.freeze``, v1's
+        freezer): between reward calls nothing of the jail runs, not even threads the reward
+        left in its own process. False where this machine has no freezer for the jail."""
+        if self._freeze_file is None or not self.dirs:
+            return False
+        self._freeze_file.write_text("1" if self.mode == "v2" else "FROZEN")
+        self.frozen = True
+        return True
+
+    def thaw(self) -> None:
+        if self.frozen and self._freeze_file is not None and self.dirs:
+            try:
+                self._freeze_file.write_text("0" if self.mode == "v2" else "THAWED")
+            except OSError:
+                pass  # removed meanwhile
+        self.frozen = False
+
     def remove(self) -> None:
         """Kill what is left and remove the cgroup(s)."""
+        self.thaw()
         for path in self.dirs:
             for _ in range(200):
                 pids = [p for p in _read_pids(path / "cgroup.procs") if _alive(p)]
@@ -287,12 +323,27 @@ class JailCgroup:
 
 
 def _alive(pid: int) -> bool:
-    """Not gone and not a zombie (a zombie waits for its parent and uses nothing)."""
+    """Not gone and not a zombie (a zombie waits for its parent and uses nothing). A zombie
+    *leader* whose other threads run on (its main thread called exit(2) alone) is alive: its
+    threads use CPU and memory, and SIGKILL to its pid ends them."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
+    if stat.rpartition(")")[2].split()[0] != "Z":
+        return True
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tasks:
+        try:
+            state = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if state not in ("Z", "X"):
+            return True
+    return False
 
 
 def ns_pid(pid: int) -> int | None:

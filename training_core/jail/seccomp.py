@@ -3,7 +3,9 @@
 
 Default allow; the calls below fail with EPERM. They are what a reward never needs and what a
 kernel or namespace escape starts with: mounts, new namespaces (nested user namespaces gave full
-capabilities inside the old jail), ptrace, BPF, keyrings, perf, userfaultfd, kexec, modules.
+capabilities inside the old jail), ptrace, BPF, keyrings, perf, userfaultfd, kexec, modules,
+io_uring. ``socket()`` and ``socketpair()`` work for AF_UNIX, AF_INET and AF_INET6 only
+(EAFNOSUPPORT otherwise: AF_VSOCK ignores the network namespace).
 ``clone3`` answers ENOSYS (its flags sit behind a pointer a filter cannot read), so libc falls
 back to ``clone``, whose namespace flags are refused here.
 """
@@ -27,7 +29,16 @@ DENIED = (
     "swapon", "swapoff", "reboot", "acct", "quotactl", "syslog", "iopl", "ioperm",
     "open_by_handle_at", "name_to_handle_at", "personality", "lookup_dcookie",
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "sethostname", "setdomainname",
+    # io_uring runs work in kernel threads that seccomp never sees, and has been a rich source of
+    # kernel bugs: no jail needs it (Python's asyncio does not use it).
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
 )
+
+# The only address families a jail may open sockets in: Unix (the agent's gateway socket),
+# IPv4 and IPv6 (the jail's own loopback; the network namespace has nothing else). AF_VSOCK
+# ignores network namespaces (it reaches the host and its VMs), AF_NETLINK, AF_PACKET and the
+# rest are kernel surface no reward needs. Others answer EAFNOSUPPORT, as on a kernel without them.
+SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10}
 
 # Every CLONE_NEW* flag (sched.h): clone with any of them is refused.
 CLONE_NAMESPACE_FLAGS = {
@@ -56,6 +67,12 @@ def filter_bpf() -> bytes:
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
     for flag in CLONE_NAMESPACE_FLAGS.values():
         flt.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    allowed = set(SOCKET_FAMILIES.values())
+    for call in ("socket", "socketpair"):
+        for family in range(max(allowed)):
+            if family not in allowed:
+                flt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), call, sc.Arg(0, sc.EQ, family))
+        flt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), call, sc.Arg(0, sc.GT, max(allowed)))
     fd = os.memfd_create("oolong-seccomp-build")
     with open(fd, "w+b") as out:
         flt.export_bpf(out)

@@ -25,8 +25,10 @@ from typing import Any
 
 from training_core.imports import import_string
 from training_core.jail import check_available
+from training_core.reward_failures import OUT_OF_RANGE
+from training_core.rewards.bounds import REWARD_MAX_ABS, reward_value_problem
 from training_core.rewards.registry import parse_reward_path, resolve_reward
-from training_core.sandbox import JailedWorker, Limits, failure_message
+from training_core.sandbox import ERROR_CHARS, JailedWorker, Limits, failure_message
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +67,10 @@ class RewardPool:
 
     def __init__(self, fn_path: str, *, workers: int = 1, timeout_s: float = 10.0,
                  executor: str = "process", remote_backend: str | None = None,
-                 extract: str = "auto", limits: Limits = Limits()):
+                 extract: str = "auto", limits: Limits = Limits(),
+                 max_abs: float = REWARD_MAX_ABS):
         self.fn_path = fn_path
+        self.max_abs = max_abs
         self.extract = extract
         self.timeout_s = timeout_s
         self.executor = executor
@@ -109,7 +113,8 @@ class RewardPool:
         """The pool a run's ``reward`` section asks for (config.RewardSpec)."""
         return cls(spec.fn, workers=spec.workers, timeout_s=spec.timeout_s,
                    executor=spec.executor, remote_backend=spec.remote_backend,
-                   extract=spec.extract, limits=Limits.with_memory(spec.memory_mb))
+                   extract=spec.extract, limits=Limits.with_memory(spec.memory_mb),
+                   max_abs=spec.max_abs)
 
     def _start_worker(self) -> JailedWorker:
         worker = JailedWorker(self._spec, source=self._source, limits=self.limits)
@@ -132,15 +137,14 @@ class RewardPool:
             except Exception as exc:  # noqa: BLE001 - a lost remote call scores 0, the run goes on
                 return self._failed(f"remote reward failed: {type(exc).__name__}: {exc}", start)
             if error:
-                return self._failed(error, start)
-            return RewardResult(reward, None, time.perf_counter() - start)
+                return self._failed(str(error)[:ERROR_CHARS], start)
+            return self._checked(reward, start)
         if self._inline_fn is not None:
             try:
-                return RewardResult(float(self._inline_fn(completion, item)), None,
-                                    time.perf_counter() - start,
-                                    self._inline_fn.extracted(completion))
+                value = float(self._inline_fn(completion, item))
             except Exception as exc:  # noqa: BLE001
                 return self._failed(f"{type(exc).__name__}: {exc}", start)
+            return self._checked(value, start, self._inline_fn.extracted(completion))
         idle = await self._idle_queue()
         worker = await idle.get()
         loop = asyncio.get_running_loop()
@@ -158,8 +162,16 @@ class RewardPool:
                                                 worker.returncode), start)
         if "error" in answer:
             return self._failed(answer["error"], start)
-        return RewardResult(answer["reward"], None, time.perf_counter() - start,
-                            answer.get("extracted"))
+        return self._checked(answer["reward"], start, answer.get("extracted"))
+
+    def _checked(self, value: Any, start: float, extracted: str | None = None) -> RewardResult:
+        """Every reward enters here, whatever executed it: a finite number within
+        ``reward.max_abs``, or a failed sample that names the value (a reward of 1e39 overflowed
+        the float32 advantages: every parameter NaN, and the run still 'succeeded')."""
+        problem = reward_value_problem(value, self.max_abs)
+        if problem is not None:
+            return self._failed(f"{OUT_OF_RANGE}: reward.fn {self.fn_path!r} {problem}", start)
+        return RewardResult(float(value), None, time.perf_counter() - start, extracted)
 
     def _failed(self, error: str, start: float) -> RewardResult:
         self.failures += 1

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from training_core import world as world_
-from training_core.api import TrainBatch
+from training_core.api import NonFiniteUpdate, TrainBatch
 from training_core.checkpoint import COMPLETE
 from training_core.models.loading import load_model
 from training_core.optim import adamw, keep_fused
@@ -197,7 +197,11 @@ class DeepSpeedTrainer:
                              "needs at least one sample per minibatch")
         wanted = None if compute_rows is None or (self.zero_stage == 3 and world > 1) \
             else set(compute_rows)
+        # [issue 47] Nothing non-finite reaches the weights: advantages are checked before any
+        # forward, loss and gradients before each optimizer step (update_refused, below).
+        self._refuse_if(not bool(torch.isfinite(batch.advantages).all()), "advantages", world)
         for chunk in chunks:
+            finite_loss = True
             num_tokens = float(batch.loss_mask[torch.tensor(chunk)].sum())
             totals["tokens"] += num_tokens
             if world > 1:
@@ -227,6 +231,7 @@ class DeepSpeedTrainer:
                 clock["time/forward_s"] += forwarded - started
                 self.engine.backward(loss, scale_wrt_gas=False)
                 clock["time/backward_s"] += time.perf_counter() - forwarded
+                finite_loss &= bool(torch.isfinite(loss.detach()))
                 totals["loss"] += float(loss.detach())
                 totals["computed_tokens"] += stats.tokens
                 totals["clipped"] += stats.clipped
@@ -238,6 +243,8 @@ class DeepSpeedTrainer:
             if not self.engine.enable_backward_allreduce:
                 self._zero_missing_grads()
             local_norm = self._grad_norm()  # before step(): it clips and zeroes the grads
+            self._refuse_if(not (finite_loss and np.isfinite(local_norm)),
+                            "loss" if not finite_loss else "gradient", world)
             self.engine.step()
             clock["time/optimizer_s"] += time.perf_counter() - started
             norm = self.engine.get_global_grad_norm()
@@ -250,6 +257,23 @@ class DeepSpeedTrainer:
             totals.update(dict(zip(keys, summed, strict=True)))
             totals["loss"] /= world
         return {**totals, **clock}
+
+    def _refuse_if(self, bad: bool, what: str, world: int) -> None:
+        """[issue 47] Raise NonFiniteUpdate on every rank (the verdict is all-reduced: every
+        rank skips the same step) after dropping the accumulated gradients, so the optimizer
+        never steps on a NaN or inf and the next update starts clean."""
+        if world > 1:
+            mine, bad = bad, world_.all_reduce_max([1.0 if bad else 0.0])[0] > 0
+            what = what if mine else "values on another rank"
+        if not bad:
+            return
+        for p in self.engine.module.parameters():
+            p.grad = None
+        zero_grad = getattr(self.engine.optimizer, "zero_grad", None)
+        if zero_grad is not None:
+            zero_grad()
+        raise NonFiniteUpdate(f"non-finite {what} in this update: the optimizer step was refused "
+                              "(nothing applied, nothing pushed)")
 
     def _zero_missing_grads(self) -> None:
         """What DeepSpeed's reduction does, for the single rank that skips it: a trainable

@@ -35,6 +35,39 @@ class ServerError(httpx.HTTPStatusError):
 
 RETRYABLE = (httpx.TransportError, ServerError)
 
+# A server that has refused every connection for this long is dead, not restarting slowly: the
+# caller gives up then, however long its retry window (issue 47: killing a run's only rollout
+# server failed the run after 124 s of retries, saying only "servers unreachable").
+DEAD_AFTER_S = 30.0
+
+
+def refused(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what it wraps) is a refused connection: nothing listens there."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, ConnectionRefusedError) or "Connection refused" in str(exc) \
+                or "Connect call failed" in str(exc):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+class stop_when_refused_for:  # noqa: N801 - named like tenacity's own stop conditions
+    """Stop once every attempt of the last ``seconds`` was a refused connection."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.since: float | None = None
+
+    def __call__(self, retry_state: Any) -> bool:
+        outcome = retry_state.outcome
+        if outcome is None or not refused(outcome.exception()):
+            self.since = None
+            return False
+        now = time.monotonic()
+        self.since = now if self.since is None else self.since
+        return now - self.since >= self.seconds
+
 
 def raise_for_status(resp: httpx.Response) -> httpx.Response:
     """5xx raises :class:`ServerError` (retried), 4xx ``httpx.HTTPStatusError`` (not retried)."""
@@ -48,26 +81,32 @@ def raise_for_status(resp: httpx.Response) -> httpx.Response:
 
 
 def _policy(window_s: float, min_attempts: int, max_delay_s: float,
-            retry_on: tuple[type[BaseException], ...]) -> dict[str, Any]:
+            retry_on: tuple[type[BaseException], ...], dead_after_s: float | None) -> dict[str, Any]:
+    # Give up only when both hold: enough attempts made and the window spent; or, with
+    # ``dead_after_s``, once nothing has accepted a connection for that long.
+    stop = stop_after_delay(window_s) & stop_after_attempt(max(min_attempts, 1))
+    if dead_after_s is not None:
+        stop = stop | stop_when_refused_for(dead_after_s)
     return {
         "retry": retry_if_exception_type(retry_on),
         "wait": wait_exponential_jitter(initial=0.2, max=max_delay_s, jitter=0.1),
-        # Give up only when both hold: enough attempts made and the window spent.
-        "stop": stop_after_delay(window_s) & stop_after_attempt(max(min_attempts, 1)),
+        "stop": stop,
         "reraise": True,
     }
 
 
 def retrying(window_s: float, *, min_attempts: int = 1, max_delay_s: float = 5.0,
-             retry_on: tuple[type[BaseException], ...] = RETRYABLE) -> Retrying:
+             retry_on: tuple[type[BaseException], ...] = RETRYABLE,
+             dead_after_s: float | None = None) -> Retrying:
     """``for attempt in retrying(60): with attempt: ...`` (the last error is re-raised)."""
-    return Retrying(**_policy(window_s, min_attempts, max_delay_s, retry_on))
+    return Retrying(**_policy(window_s, min_attempts, max_delay_s, retry_on, dead_after_s))
 
 
 def aretrying(window_s: float, *, min_attempts: int = 1, max_delay_s: float = 5.0,
-              retry_on: tuple[type[BaseException], ...] = RETRYABLE) -> AsyncRetrying:
+              retry_on: tuple[type[BaseException], ...] = RETRYABLE,
+              dead_after_s: float | None = None) -> AsyncRetrying:
     """The same policy for coroutines: ``async for attempt in aretrying(60): with attempt: ...``."""
-    return AsyncRetrying(**_policy(window_s, min_attempts, max_delay_s, retry_on))
+    return AsyncRetrying(**_policy(window_s, min_attempts, max_delay_s, retry_on, dead_after_s))
 
 
 def wait_healthy(url: str, timeout_s: float, *, dead: Callable[[], str | None] | None = None,

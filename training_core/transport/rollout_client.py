@@ -51,7 +51,7 @@ from training_core.api import (
     RequestRejected,
     RolloutServerError,
 )
-from training_core.transport.http import aretrying
+from training_core.transport.http import DEAD_AFTER_S, aretrying, refused
 from training_core.transport.json_http import Connector, JsonHttpClient
 from training_core.transport.server_auth import server_key
 from training_core.version import PolicyVersion
@@ -101,6 +101,7 @@ class _Partial:
 class RolloutClient:
     def __init__(self, urls: list[str], *, timeout_s: float = 300.0, retries: int = 3,
                  cooldown_s: float = 2.0, retry_window_s: float = 120.0,
+                 dead_after_s: float = DEAD_AFTER_S,
                  max_interruptions: int = 16, pause_mode: str = "abort",
                  version: PolicyVersion | None = None, connect: Connector | None = None,
                  api_key: str | None = None, flush_after_in_place: bool = False):
@@ -114,6 +115,7 @@ class RolloutClient:
         self.retries = retries
         self.cooldown_s = cooldown_s
         self.retry_window_s = retry_window_s
+        self.dead_after_s = dead_after_s  # [issue 47] every server refusing: the run fails sooner
         self.max_interruptions = max_interruptions
         self._connect = connect  # tests connect the client to a scripted server here
         self.api_key = api_key if api_key is not None else server_key()
@@ -190,7 +192,8 @@ class RolloutClient:
         try:
             async for attempt in aretrying(self.retry_window_s, min_attempts=self.retries + 1,
                                            max_delay_s=2.0,
-                                           retry_on=(httpx.TransportError, RolloutServerError)):
+                                           retry_on=(httpx.TransportError, RolloutServerError),
+                                           dead_after_s=self.dead_after_s):
                 with attempt:
                     server = self._pick()
                     while server is None:
@@ -198,6 +201,8 @@ class RolloutClient:
                         server = self._pick()
                     return await self._generate_on(server, payload, weight)
         except (httpx.TransportError, RolloutServerError) as exc:
+            if refused(exc):  # [issue 47] name the dead server(s), not a generic failure
+                raise RolloutServerError(self._dead(exc)) from exc
             raise RolloutServerError(
                 f"servers unreachable: generation failed after {self.retries + 1}+ attempts over "
                 f"{self.retry_window_s:.0f}s: {exc}") from exc
@@ -354,15 +359,24 @@ class RolloutClient:
         """Control calls must reach every server: a restarting one is waited for (retry window)."""
         try:
             async for attempt in aretrying(self.retry_window_s, max_delay_s=2.0,
-                                           retry_on=(httpx.TransportError,)):
+                                           retry_on=(httpx.TransportError,),
+                                           dead_after_s=self.dead_after_s):
                 with attempt:
                     if get:
                         return await self._get(server, path)
                     return await self._post(server, path, payload)
         except httpx.TransportError as exc:
+            if refused(exc):
+                raise RolloutServerError(self._dead(exc, [server])) from exc
             raise RolloutServerError(f"{server.url}{path} unreachable for "
                                      f"{self.retry_window_s:.0f}s: {exc}") from exc
         raise AssertionError("unreachable")  # pragma: no cover - tenacity re-raises
+
+    def _dead(self, exc: BaseException, servers: list[_Server] | None = None) -> str:
+        """[issue 47] The message when servers refuse every connection: which ones."""
+        urls = ", ".join(s.url for s in servers or self.servers)
+        return (f"rollout server {urls} is down: it refused every connection for "
+                f"{self.dead_after_s:.0f}s (process dead? its log says why): {exc}")
 
     async def _all(self, path: str, payload: dict | None = None) -> list[dict]:
         return await asyncio.gather(*[self._retrying(s, path, payload) for s in self.servers])

@@ -9,9 +9,10 @@ The user's callable is an agent written against the OpenAI API::
 
 (an ``async def`` works too; a class is instantiated without arguments and its ``run`` or
 ``__call__`` is used). Each of the G episodes of a task item runs it once, as a subprocess in
-the jail (training_core.jail: namespaces, never host root, seccomp, a cgroup), whose only
-reachable endpoint is its own session of the gateway: the session listens on a Unix socket in the
-jail's private scratch directory, and a forwarder inside the jail's network namespace serves it
+the jail (training_core.jail: namespaces, never host root, seccomp, a cgroup, a sized tmpfs
+``/scratch``), whose only reachable endpoint is its own session of the gateway: the session
+listens on a Unix socket bound alone into the jail, and a forwarder inside the jail's network
+namespace serves it
 on ``127.0.0.1:<port>``, so an unmodified SDK with ``base_url=http://127.0.0.1:<port>/v1``
 works. The jail has no other network at all.
 
@@ -43,7 +44,9 @@ from training_core.gateway.chat import ChatRenderer
 from training_core.gateway.credit import BadReward, episode_trajectories
 from training_core.gateway.server import Gateway
 from training_core.gateway.session import AgentLimits, Session
-from training_core.jail import FILES_DIR, PROTOCOL_PRELUDE, Limits, make_scratch, python, spawn
+from training_core.jail import FILES_DIR, PROTOCOL_PRELUDE, Limits, python, spawn
+from training_core.rewards.bounds import REWARD_MAX_ABS
+from training_core.sandbox import strict_json
 from training_core.workflows.base import WorkflowContext
 
 log = logging.getLogger(__name__)
@@ -174,6 +177,8 @@ class AgentWorkflow:
         self.jail_limits = Limits(memory_mb=getattr(settings, "memory_mb", 2048),
                                   jail_memory_mb=getattr(settings, "memory_mb", 2048))
         self.gateway: Gateway | None = None
+        # The agent's returns are held to the run's reward bound (reward.max_abs).
+        self.max_abs = getattr(ctx.rewards, "max_abs", REWARD_MAX_ABS)
 
     def _gateway(self, engine: InferenceEngine) -> Gateway:
         if self.gateway is None or self.gateway.engine is not engine:
@@ -206,7 +211,7 @@ class AgentWorkflow:
                     raise AgentFailed(session.failure)
                 try:
                     rows = episode_trajectories(session, result, episode=episode,
-                                                discount=self.discount)
+                                                discount=self.discount, max_abs=self.max_abs)
                 except BadReward as exc:
                     raise AgentFailed(str(exc)) from None
                 rows[0].info["agent/retries"] = attempt
@@ -221,23 +226,28 @@ class AgentWorkflow:
         raise AgentFailed("; ".join(reasons))
 
     async def _run_jailed(self, gateway: Gateway, session: Session, item: dict[str, Any]) -> Any:
-        scratch = make_scratch(Path(tempfile.mkdtemp(prefix="oolong-agent-")))
+        # The agent's /scratch is the jail's own sized tmpfs (rollout.agent's jail limits),
+        # gone with the jail: a host directory took 300 MB and 20,000 files in seconds and
+        # outlived a killed trainer. Only the session's socket comes from the host, bound alone
+        # into the jail; its directory is this process's (0700) and holds nothing else.
+        host_dir = Path(tempfile.mkdtemp(prefix="oolong-agent-"))
         jail = None
         try:
-            await gateway.serve_unix(session, str(scratch / SOCKET))
+            await gateway.serve_unix(session, str(host_dir / SOCKET))
             jail = await asyncio.to_thread(
                 spawn, [python(), "-I", f"{FILES_DIR}/runner.py"], limits=self.jail_limits,
-                files={"runner.py": RUNNER, "user_agent.py": self.source}, scratch=scratch,
+                files={"runner.py": RUNNER, "user_agent.py": self.source},
+                sockets={SOCKET: host_dir / SOCKET},
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-            spec = {"socket": f"/scratch/{SOCKET}", "api_key": session.key, "item": item,
+            spec = {"socket": f"{FILES_DIR}/{SOCKET}", "api_key": session.key, "item": item,
                     "entrypoint": self.entrypoint}
             answer = await asyncio.to_thread(_exchange, jail.proc, spec, self.limits.timeout_s)
         finally:
             if jail is not None:
                 await asyncio.to_thread(jail.kill)
-            shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(host_dir, ignore_errors=True)
         if "error" in answer:
-            raise AgentFailed(f"the agent raised {answer['error']}"
+            raise AgentFailed(f"the agent raised {str(answer['error'])[:500]}"
                               + (f" ({session.failure})" if session.failure else ""))
         return answer["result"]
 
@@ -266,10 +276,8 @@ def _exchange(proc: subprocess.Popen, spec: dict[str, Any], timeout_s: float) ->
             if not chunk:
                 raise AgentFailed("the agent's process died (memory or CPU limit, or a crash)")
             buffer += chunk
-    try:
-        answer = json.loads(buffer.partition(b"\n")[0])
-    except ValueError:
-        raise AgentFailed("the agent's jail answered garbage") from None
+    # Strict: NaN/Infinity constants and nesting deep enough for a RecursionError are garbage.
+    answer = strict_json(buffer.partition(b"\n")[0])
     if not isinstance(answer, dict) or not ({"result", "error"} & answer.keys()):
         raise AgentFailed("the agent's jail answered garbage")
     return answer

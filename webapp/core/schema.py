@@ -31,7 +31,8 @@ WHY = {400: "invalid input: `errors` names each bad field",
        409: "the object is in a state that does not allow this",
        413: "the body is over its size limit",
        415: "the body is not in a content type the operation takes",
-       429: "too many failed attempts; see Retry-After"}
+       429: "too many requests (failed logins; a run token past its ingest rate): see "
+            "Retry-After"}
 
 
 def errors(*codes: int) -> dict:

@@ -63,6 +63,19 @@ class RunEventOutput(serializers.Serializer):
     data = serializers.JSONField()
 
 
+class NotQueuedOutput(serializers.Serializer):
+    message = serializers.CharField()
+    errors = ErrorItem(many=True)
+    run_id = serializers.IntegerField(help_text="the run, created and kept: it is submitted when "
+                                                "the task queue is back")
+
+
+def _not_queued(run: Run) -> dict:
+    message = (f"run {run.id} was created but could not be queued: {run.submit_error}; it is "
+               "kept and will be submitted once the task queue is reachable again")
+    return {"message": message, "errors": [{"field": None, "message": message}],
+            "run_id": run.id}
+
 class RunListApi(APIView):
     @extend_schema(operation_id="runs_list", parameters=[
         PROJECT_FILTER, str_query("status", "only runs in this state", list(Run.Status.values)),
@@ -87,7 +100,8 @@ class RunCreateApi(APIView):
         spec = serializers.DictField(required=False, default=dict)  # a mapping of sections
 
     @extend_schema(operation_id="runs_create", request=InputSerializer,
-                   responses={201: RunCreatedOutput, **errors(400, 401, 403, 404)})
+                   responses={201: RunCreatedOutput, 503: NotQueuedOutput,
+                              **errors(400, 401, 403, 404)})
     def post(self, request):
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -97,10 +111,13 @@ class RunCreateApi(APIView):
                          dataset_version=dataset_version_get(user=request.user, version_id=v["dataset_version"]),
                          reward_version=reward_version_get(user=request.user, version_id=v["reward_version"]),
                          spec=v["spec"])
+        if run.submit_error:  # created, but not queued: the outbox sends it again (reconcile)
+            return Response(_not_queued(run), status=503)
         out = RunSpecOutput(run).data
         # For a trainer the creator runs: shown once, stored only as a hash, void when the run ends.
         out["ingest_token"] = run_token_issue(run=run, purpose="creator")
         return Response(out, status=201)
+
 
 
 class RunCancelApi(APIView):
@@ -113,9 +130,11 @@ class RunCancelApi(APIView):
 
 class RunResumeApi(APIView):
     @extend_schema(operation_id="runs_resume", request=None,
-                   responses={202: RunOutput, **errors(401, 404, 409)})
+                   responses={202: RunOutput, 503: NotQueuedOutput, **errors(401, 404, 409)})
     def post(self, request, run_id: int):
         run = run_resume(run=run_get(user=request.user, run_id=run_id), user=request.user)
+        if run.submit_error:
+            return Response(_not_queued(run), status=503)
         return Response(RunOutput(run).data, status=202)
 
 

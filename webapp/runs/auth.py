@@ -3,9 +3,13 @@ database access)."""
 
 from __future__ import annotations
 
+import time
+
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
+from rest_framework.throttling import BaseThrottle
 
+from webapp.runs.models import token_hash
 from webapp.runs.selectors import run_get_by_ingest_token
 
 
@@ -34,6 +38,36 @@ class IngestTokenAuthentication(authentication.BaseAuthentication):
 
     def authenticate_header(self, request) -> str:
         return self.keyword
+
+
+class IngestRateThrottle(BaseThrottle):
+    """At most settings.INGEST_RATE_PER_S requests per second per run token, counted over
+    10-second windows (a burst within a window is fine); past it a 429 with Retry-After, which
+    the trainer's sink waits out and retries (issue 47: a run token stored 42 MB in 2.4 s). A
+    fixed-window counter in the shared cache: one increment per request."""
+
+    WINDOW_S = 10
+
+    def allow_request(self, request, view) -> bool:
+        from django.conf import settings
+        from django.core.cache import cache
+
+        if not isinstance(request.user, RunIngestUser):
+            return True  # not a run token: authentication answers
+        header = authentication.get_authorization_header(request).decode(errors="replace")
+        window = int(time.time()) // self.WINDOW_S
+        key = f"ingest-rate:{token_hash(header)}:{window}"
+        cache.add(key, 0, timeout=self.WINDOW_S * 2)
+        try:
+            count = cache.incr(key)
+        except ValueError:  # expired between add and incr
+            cache.add(key, 1, timeout=self.WINDOW_S * 2)
+            count = 1
+        self.retry_after = self.WINDOW_S - time.time() % self.WINDOW_S
+        return count <= settings.INGEST_RATE_PER_S * self.WINDOW_S
+
+    def wait(self) -> float:
+        return self.retry_after
 
 
 class IngestTokenScheme(OpenApiAuthenticationExtension):

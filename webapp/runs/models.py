@@ -44,6 +44,12 @@ class Run(models.Model):
     # 1 for the first submission; each resume of a failed or cancelled run adds one.
     attempt = models.PositiveIntegerField(default=1)
     orchestrator_ref = models.CharField(max_length=100, blank=True, help_text="Prefect flow run id")
+    # The submission outbox (issue 47): a queued run without an orchestrator reference is still
+    # to be submitted; runs_reconcile sends it again until it is, or fails it after a few sends.
+    submit_attempts = models.PositiveIntegerField(default=0, help_text=(
+        "times the run's submission was put on the task queue (or tried to be)"))
+    submit_sent_at = models.DateTimeField(null=True, blank=True, help_text="the last of them")
+    submit_error = models.TextField(blank=True, help_text="why the last send or submission failed")
     # A run of a sweep (webapp.sweeps) and its values of the sweep's axes.
     sweep = models.ForeignKey("sweeps.Sweep", null=True, blank=True, on_delete=models.SET_NULL,
                               related_name="runs")

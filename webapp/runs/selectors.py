@@ -145,7 +145,7 @@ def run_spec_fields(*, user) -> list[dict[str, Any]]:
     administrators see those) and ``sweepable``. Members get a choice where only registered
     values are allowed (model.path, rollout.workflow)."""
     from training_core.spec_fields import spec_fields
-    from webapp.runs.policy import ADMIN_FIELDS, member_choices
+    from webapp.runs.policy import ADMIN_FIELDS, MEMBER_LIMITS, member_choices
 
     staff = bool(getattr(user, "is_staff", False))
     restricted = {} if staff else member_choices()
@@ -159,6 +159,8 @@ def run_spec_fields(*, user) -> list[dict[str, Any]]:
             continue
         if path in restricted:
             field.update(kind="choice", choices=restricted[path])
+        if not staff and path in MEMBER_LIMITS:  # the form shows the limit a member is held to
+            field["maximum"] = min(field.get("maximum", MEMBER_LIMITS[path]), MEMBER_LIMITS[path])
         field.update(
             common=path in COMMON_FIELDS, admin=admin,
             label=COMMON_FIELDS.get(path, field["name"].replace("_", " ")),

@@ -4,6 +4,7 @@ import secrets
 from typing import Any
 
 from django.db import IntegrityError, transaction
+from django.db.models import F
 from django.utils import timezone
 
 from webapp.accounts.models import Project
@@ -87,8 +88,28 @@ def run_create(*, project: Project, user, name: str, dataset_version: DatasetVer
                              sweep=sweep, sweep_values=sweep_values or {},
                              gateway_key=secrets.token_urlsafe(32) if online else "")
     run_event_add(run=run, kind="created", message=f"run created by {user}")
-    transaction.on_commit(lambda: enqueue("oolong.run_submit", run.id))
+    transaction.on_commit(lambda: run_submit_send(run=run))
     return run
+
+
+SUBMIT_TASK = "oolong.run_submit"
+
+
+def run_submit_send(*, run: Run) -> bool:
+    """The submission outbox's send: put the run's submission on the task queue, after its row
+    is committed. False if the broker refused it (down, unreachable): the run stays in the
+    outbox (queued, without an orchestrator reference), ``run.submit_error`` says why, and
+    ``runs_reconcile`` sends it again (a run created while the broker was down used to answer
+    500 and stay queued forever)."""
+    error = ""
+    try:
+        enqueue(SUBMIT_TASK, run.id)
+    except Exception as exc:  # noqa: BLE001 - whatever the broker raised, the outbox keeps the run
+        error = f"the task queue is unreachable ({type(exc).__name__}: {exc})"[:1000]
+    Run.objects.filter(id=run.id).update(submit_attempts=F("submit_attempts") + 1,
+                                         submit_sent_at=timezone.now(), submit_error=error)
+    run.submit_error = error
+    return not error
 
 
 def run_token_issue(*, run: Run, purpose: str) -> str:
@@ -162,11 +183,12 @@ def run_resume(*, run: Run, user) -> Run:
     run.cancel_requested = False
     run.orchestrator_ref = ""
     run.attempt += 1
+    run.submit_attempts, run.submit_error = 0, ""  # a fresh submission, with its own sends
     run.save(update_fields=["status", "status_reason", "finished_at", "cancel_requested",
-                            "orchestrator_ref", "attempt"])
+                            "orchestrator_ref", "attempt", "submit_attempts", "submit_error"])
     run_event_add(run=run, kind="resume_requested",
                   message=f"resume requested by {user} (attempt {run.attempt})")
-    transaction.on_commit(lambda: enqueue("oolong.run_submit", run.id))
+    transaction.on_commit(lambda: run_submit_send(run=run))
     return run
 
 

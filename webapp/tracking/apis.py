@@ -19,15 +19,14 @@ from rest_framework.views import APIView
 
 from training_core import metric_names as M
 from webapp.core.fields import BoundedText
-from webapp.core.json_input import json_check
 from webapp.core.params import int_param, list_param
 from webapp.core.renderers import FastJSONRenderer
 from webapp.core.schema import errors, int_query, str_query
 from webapp.runs.apis import RunOutput, RunSpecOutput
-from webapp.runs.auth import IngestTokenAuthentication, RunIngestUser
+from webapp.runs.auth import IngestRateThrottle, IngestTokenAuthentication, RunIngestUser
 from webapp.runs.models import Run
 from webapp.runs.selectors import run_config_diff, run_gateway, run_get, runs_get
-from webapp.runs.services import run_event_add, run_status_set
+from webapp.runs.services import run_status_set
 from webapp.tracking.selectors import (
     X_AXES,
     latest_metrics,
@@ -37,11 +36,17 @@ from webapp.tracking.selectors import (
     runs_compare,
     trajectory_list,
 )
-from webapp.tracking.services import checkpoint_record, metrics_ingest, trajectories_ingest
+from webapp.tracking.services import (
+    checkpoint_record,
+    events_ingest,
+    metrics_ingest,
+    trajectories_ingest,
+)
 
 
 class IngestApi(APIView):
     authentication_classes = [IngestTokenAuthentication]
+    throttle_classes = [IngestRateThrottle]  # per run token (issue 47)
 
     @property
     def run(self):
@@ -50,7 +55,7 @@ class IngestApi(APIView):
         return self.request.auth
 
 
-INGEST_ERRORS = errors(400, 401, 413)
+INGEST_ERRORS = errors(400, 401, 413, 429)
 
 
 class PointInput(serializers.Serializer):
@@ -58,7 +63,8 @@ class PointInput(serializers.Serializer):
 
     key = BoundedText(max_length=100)
     step = serializers.IntegerField(min_value=-(2**63), max_value=2**63 - 1)
-    value = serializers.FloatField()
+    value = serializers.FloatField(allow_null=True, help_text=(
+        "null: a value the trainer could not send (NaN or infinite), skipped"))
     time = serializers.FloatField(required=False, help_text="Unix seconds; default: now")
 
 
@@ -106,13 +112,8 @@ class EventsIngestApi(IngestApi):
     def post(self, request):
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        stored = 0
-        for i, e in enumerate(data.validated_data["events"]):
-            ev = run_event_add(run=self.run, kind=e["kind"], message=e["message"],
-                               data=json_check(e["data"], f"events[{i}].data"),
-                               dedup_key=e["dedup_key"])
-            stored += ev is not None
-        return Response({"stored": stored})
+        return Response({"stored": events_ingest(run=self.run,
+                                                 events=data.validated_data["events"])})
 
 
 class StatusIngestApi(IngestApi):

@@ -95,3 +95,14 @@ class Artifact(models.Model):
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["run", "name"], name="artifact_unique")]
+
+
+class RunIngestUsage(models.Model):
+    """What a run has stored through the ingest API, against its bounds (settings.INGEST_MAX_*):
+    counted as rows are inserted, so a retried batch that inserts nothing counts nothing."""
+
+    run = models.OneToOneField(Run, on_delete=models.CASCADE, primary_key=True,
+                               related_name="ingest_usage")
+    trajectories = models.BigIntegerField(default=0)
+    trajectory_bytes = models.BigIntegerField(default=0)
+    events = models.BigIntegerField(default=0)

@@ -21,6 +21,7 @@ from webapp.tracking.models import (
     LatestMetric,
     MetricPoint,
     MetricRollup,
+    RunIngestUsage,
     TrajectorySample,
 )
 
@@ -49,7 +50,9 @@ def _clean_points(points: list[dict[str, Any]]) -> list[tuple[str, int, float, f
     lo, hi = INT64
     for i, p in enumerate(points):
         try:
-            key, step, value = str(p["key"]), p["step"], float(p["value"])
+            # null: a value the trainer could not send (NaN, inf): not plottable, skipped
+            key, step, raw = str(p["key"]), p["step"], p["value"]
+            value = math.nan if raw is None else float(raw)
             wall = p.get("time") or now
         except (AttributeError, KeyError, TypeError, ValueError):
             raise ApplicationError("each point needs key (text), step (integer), value (number)",
@@ -74,11 +77,50 @@ def _clean_points(points: list[dict[str, Any]]) -> list[tuple[str, int, float, f
     return list(out.values())
 
 
+# ---- per-run bounds (issue 47): what one run may store through the ingest API ---------------
+
+
+def _limit_reached(run: Run, what: str, message: str) -> None:
+    """One ``ingest_limit`` event per kind of bound, however often it is hit."""
+    from webapp.runs.services import run_event_add
+
+    run_event_add(run=run, kind="ingest_limit", message=message, dedup_key=f"ingest-limit-{what}")
+
+
+def _usage(run: Run) -> RunIngestUsage:
+    """The run's counters, locked until the caller's transaction ends."""
+    RunIngestUsage.objects.get_or_create(run=run)
+    return RunIngestUsage.objects.select_for_update().get(run=run)
+
+
+def _within_key_bound(run: Run, rows: list[tuple[str, int, float, float]]
+                      ) -> tuple[list[tuple[str, int, float, float]], int]:
+    """The points whose keys the run has, or may still add (settings.INGEST_MAX_METRIC_KEYS),
+    and how many points of keys beyond the bound were dropped."""
+    from django.conf import settings
+
+    keys = {row[0] for row in rows}
+    known = set(LatestMetric.objects.filter(run=run, key__in=keys).values_list("key", flat=True))
+    new = sorted(keys - known)
+    if not new:
+        return rows, 0
+    room = max(0, settings.INGEST_MAX_METRIC_KEYS - LatestMetric.objects.filter(run=run).count())
+    refused = set(new[room:])
+    if not refused:
+        return rows, 0
+    kept = [row for row in rows if row[0] not in refused]
+    _limit_reached(run, "metric-keys", f"this run reached its {settings.INGEST_MAX_METRIC_KEYS:,} "
+                   f"metric keys (OOLONG_INGEST_MAX_METRIC_KEYS): points of new keys are dropped, "
+                   f"e.g. {sorted(refused)[0][:100]!r}")
+    return kept, len(rows) - len(kept)
+
+
 def metrics_ingest(*, run: Run, points: list[dict[str, Any]]) -> int:
     """Store points by (run, key, step). A retried batch changes nothing; a point with a
     different value for a stored step (a resumed run re-training the steps after its checkpoint)
-    replaces it. Returns the number of points new or changed."""
-    rows = _clean_points(points)
+    replaces it. Points of keys beyond the run's bound on metric keys are dropped (an
+    ``ingest_limit`` event says so). Returns the number of points new or changed."""
+    rows, _ = _within_key_bound(run, _clean_points(points))
     if not rows:
         return 0
     with transaction.atomic():
@@ -240,7 +282,9 @@ def _latest_upsert(run: Run, rows: list[tuple[str, int, float, float]]) -> None:
 
 def trajectories_ingest(*, run: Run, samples: list[dict[str, Any]]) -> int:
     """Store samples by (run, step, index); a sample already stored is left as it was (a retried
-    batch changes nothing). Returns the number of samples received."""
+    batch changes nothing). A run stores at most settings.INGEST_MAX_TRAJECTORIES samples and
+    INGEST_MAX_TRAJECTORY_BYTES of them: what does not fit is dropped, and an ``ingest_limit``
+    event says so. Returns the number of samples received within the bounds."""
     rows = []
     for i, s in enumerate(samples):
         try:
@@ -256,7 +300,44 @@ def trajectories_ingest(*, run: Run, samples: list[dict[str, Any]]) -> int:
         except (KeyError, TypeError, ValueError):
             raise ApplicationError("each sample needs step, prompt, completion, reward",
                                    field=f"samples[{i}]") from None
+    with transaction.atomic():
+        usage = _usage(run)
+        rows, document = _within_trajectory_bounds(run, usage, rows)
+        if not rows:
+            return 0
+        inserted = _insert_samples(run, rows, document)
+        usage.trajectories += inserted
+        usage.trajectory_bytes += len(document) * inserted // len(rows)
+        usage.save(update_fields=["trajectories", "trajectory_bytes"])
+    return len(rows)
+
+
+def _within_trajectory_bounds(run: Run, usage: RunIngestUsage, rows: list[dict[str, Any]]
+                              ) -> tuple[list[dict[str, Any]], str]:
+    """The samples that fit the run's bounds (all of them, in the common case: one encode), and
+    their JSON document."""
+    from django.conf import settings
+
+    count_left = settings.INGEST_MAX_TRAJECTORIES - usage.trajectories
+    bytes_left = settings.INGEST_MAX_TRAJECTORY_BYTES - usage.trajectory_bytes
     document = _samples_document(rows)
+    if len(rows) <= count_left and len(document) <= bytes_left:
+        return rows, document
+    kept, size = [], 0
+    for row in rows[:max(0, count_left)]:
+        size += len(json.dumps(row)) + 2
+        if size > bytes_left:
+            break
+        kept.append(row)
+    _limit_reached(run, "trajectories", f"this run reached its bound on stored samples "
+                   f"({settings.INGEST_MAX_TRAJECTORIES:,} samples, "
+                   f"{settings.INGEST_MAX_TRAJECTORY_BYTES >> 20:,} MB: OOLONG_INGEST_MAX_"
+                   f"TRAJECTORIES, OOLONG_INGEST_MAX_TRAJECTORY_MB): later samples are dropped")
+    return kept, (_samples_document(kept) if kept else "[]")
+
+
+def _insert_samples(run: Run, rows: list[dict[str, Any]], document: str) -> int:
+    """Insert, leaving stored samples as they are; returns how many were new."""
     if connection.vendor == "postgresql":
         # One statement over one JSON document (encoded in C): the ORM's bulk insert quoted every
         # token of every sample into a PostgreSQL array literal in Python, ~half the request.
@@ -271,9 +352,35 @@ def trajectories_ingest(*, run: Run, samples: list[dict[str, Any]]) -> int:
                 '"index" integer, prompt text, completion text, reward float8, tokens jsonb, '
                 "token_versions jsonb, info jsonb) ON CONFLICT (run_id, step, \"index\") DO NOTHING",
                 [run.id, document])
-        return len(rows)
+            return max(cur.rowcount, 0)
     objs = [TrajectorySample(run=run, **row) for row in rows]
     return len(TrajectorySample.objects.bulk_create(objs, ignore_conflicts=True))
+
+
+def events_ingest(*, run: Run, events: list[dict[str, Any]]) -> int:
+    """Store a trainer's events (a retried one, by its dedup key, once). A run stores at most
+    settings.INGEST_MAX_EVENTS through ingest: later ones are dropped, and an ``ingest_limit``
+    event says so. Returns how many were stored."""
+    from django.conf import settings
+
+    from webapp.runs.services import run_event_add
+
+    stored = 0
+    with transaction.atomic():
+        usage = _usage(run)
+        left = settings.INGEST_MAX_EVENTS - usage.events
+        for i, e in enumerate(events):
+            if stored >= left:
+                _limit_reached(run, "events", f"this run reached its {settings.INGEST_MAX_EVENTS:,} "
+                               "events (OOLONG_INGEST_MAX_EVENTS): later events are dropped")
+                break
+            ev = run_event_add(run=run, kind=e["kind"], message=e["message"],
+                               data=json_check(e["data"], f"events[{i}].data"),
+                               dedup_key=e["dedup_key"])
+            stored += ev is not None
+        usage.events += stored
+        usage.save(update_fields=["events"])
+    return stored
 
 
 def _samples_document(rows: list[dict[str, Any]]) -> str:

@@ -157,6 +157,15 @@ PROJECT_QUOTA_DEFAULTS = {
         ("max_servers", "4"), ("max_reward_workers", "8"), ("max_concurrent", "1024"),
         ("max_new_tokens", "4096"), ("max_steps", "100000"), ("max_model_params", "50000000"))}
 
+# What one run may store through the ingest API, and how fast one run token may call it (issue
+# 47: a run token stored 42 MB in 2.4 s with no bound). Past a bound, ingest keeps what fits and
+# says what it dropped (one ingest_limit event per kind); past the rate, a 429 with Retry-After.
+INGEST_MAX_TRAJECTORIES = int(os.environ.get("OOLONG_INGEST_MAX_TRAJECTORIES", "200000"))
+INGEST_MAX_TRAJECTORY_BYTES = int(os.environ.get("OOLONG_INGEST_MAX_TRAJECTORY_MB", "1024")) << 20
+INGEST_MAX_METRIC_KEYS = int(os.environ.get("OOLONG_INGEST_MAX_METRIC_KEYS", "2000"))
+INGEST_MAX_EVENTS = int(os.environ.get("OOLONG_INGEST_MAX_EVENTS", "100000"))
+INGEST_RATE_PER_S = float(os.environ.get("OOLONG_INGEST_RATE_PER_S", "20"))
+
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/accounts/login/"
