@@ -77,6 +77,8 @@ COSTLESS_FIELDS: dict[str, str] = {
     "rollout.top_k": "a sampling parameter (the vocabulary bounds it)",
     "rollout.turn_discount": "a coefficient", "rollout.agent.discount": "a coefficient",
     "rollout.agent.gateway_port": "a port number (0-65535)",
+    "rollout.mem_fraction": "a share of the server's own GPU (0-1); a plan that cannot fit is "
+                            "refused before anything starts (training_core/gpu_memory.py)",
     "reward.max_abs": "a bound itself (at most 1e12)",
     "trainer.lr": "a coefficient", "trainer.weight_decay": "a coefficient",
     "trainer.grad_clip": "a coefficient",
