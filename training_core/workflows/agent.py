@@ -146,15 +146,19 @@ def agent_source(target: str) -> tuple[str, str]:
                      "importable module, or a .py path relative to the working directory)")
 
 
+SUMMED = ("agent/tool_parse_failures", "agent/retries", "agent/sampling_overrides",
+          "agent/rejected_requests")
+
+
 def agent_metrics(samples: list[Any]) -> dict[str, float]:
     """Means of the ``agent/*`` numbers over the batch's episodes (kept on each episode's first
-    segment); tool-parse failures and retries summed."""
+    segment); tool-parse failures, retries, overridden and rejected requests summed."""
     firsts = [s.info for s in samples if s.info.get("segment") == 0 and "episode" in s.info]
     keys = sorted({k for info in firsts for k in info if k.startswith("agent/")})
     out = {}
     for k in keys:
         values = [float(info.get(k, 0)) for info in firsts]
-        total = k in ("agent/tool_parse_failures", "agent/retries")
+        total = k in SUMMED
         out[k] = sum(values) if total else sum(values) / len(values)
     return out
 
@@ -170,6 +174,7 @@ class AgentWorkflow:
             timeout_s=getattr(settings, "timeout_s", AgentLimits.timeout_s))
         self.discount = getattr(settings, "discount", 1.0)
         self.retries = getattr(settings, "retries", 1)
+        self.policy = getattr(settings, "sampling", "override")
         self.renderer = ChatRenderer(ctx.tokenizer, getattr(settings, "tool_format", "auto"))
         self.jail_limits = Limits(memory_mb=getattr(settings, "memory_mb", 2048),
                                   jail_memory_mb=getattr(settings, "memory_mb", 2048))
@@ -177,7 +182,7 @@ class AgentWorkflow:
 
     def _gateway(self, engine: InferenceEngine) -> Gateway:
         if self.gateway is None or self.gateway.engine is not engine:
-            self.gateway = Gateway(engine, self.renderer, self.ctx.sampling)
+            self.gateway = Gateway(engine, self.renderer, self.ctx.sampling, policy=self.policy)
         return self.gateway
 
     async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> TrajectoryGroup | None:
