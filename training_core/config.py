@@ -160,14 +160,6 @@ class AgentSpec(_Section):
         "online mode: the run key external clients present; the web app issues one per online "
         "run and shows it on the run page; empty: the gateway makes one"))
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_gateway_file(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "gateway_file" in data:
-            raise ValueError("gateway_file is gone: the online gateway always writes "
-                             "<run_dir>/gateway.json (no spec field names a host path)")
-        return data
-
 
 class RolloutSpec(_Section):
     backend: Literal["embedded", "sglang"] = Field("embedded", description=(
