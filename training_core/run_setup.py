@@ -161,6 +161,7 @@ def build_run(spec: RunSpec, *, resume_dir: str | Path | None = None,
         turn_discount=spec.rollout.turn_discount, agent=spec.rollout.agent)
     online = spec.rollout.mode == "online"
     workflow = load_workflow("online" if online else spec.rollout.workflow, run.ctx)
+    run.ctx.evaluate_episode = getattr(workflow, "aevaluate", None)  # agents evaluate their way
     if online:  # the gateway's URL (never its key) in the run's events
         workflow.file = run_dir / "gateway.json"  # always there: no spec field names a path
         workflow.on_ready = lambda url: run.sink.event("gateway", f"online gateway at {url}",

@@ -304,6 +304,7 @@ class OnlineWorkflow:
             slot.done.set_result(TrajectoryGroup(
                 samples=[r for k in sorted(slot.rows) for r in slot.rows[k]]))
         return Response(200, {"id": sid, "accepted": True, "group": slot.id,
+                              "group_size": slot.size, "group_complete": len(slot.rows) == slot.size,
                               "episode_return": slot.rows[episode][0].info["episode_return"]})
 
     def _fail(self, sid: str, reason: str) -> Response:

@@ -35,12 +35,13 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from training_core.api import EpisodeError, InferenceEngine, TrajectoryGroup
 from training_core.gateway.chat import ChatRenderer
-from training_core.gateway.credit import BadReward, episode_trajectories
+from training_core.gateway.credit import BadReward, episode_trajectories, turn_returns
 from training_core.gateway.server import Gateway
 from training_core.gateway.session import AgentLimits, Session
 from training_core.jail import FILES_DIR, PROTOCOL_PRELUDE, Limits, make_scratch, python, spawn
@@ -49,6 +50,7 @@ from training_core.workflows.base import WorkflowContext
 log = logging.getLogger(__name__)
 
 SOCKET = "gw.sock"
+EVAL_CONCURRENCY = 8  # agent episodes of one evaluation at once (each is a jail)
 ANSWER_BYTES = 64 * 1024
 
 # Runs in the jail. The protocol is one JSON line each way on the original stdout; the agent's
@@ -179,11 +181,35 @@ class AgentWorkflow:
         self.jail_limits = Limits(memory_mb=getattr(settings, "memory_mb", 2048),
                                   jail_memory_mb=getattr(settings, "memory_mb", 2048))
         self.gateway: Gateway | None = None
+        self.eval_gateway: Gateway | None = None
+        self._evaluating = asyncio.Semaphore(EVAL_CONCURRENCY)
 
     def _gateway(self, engine: InferenceEngine) -> Gateway:
         if self.gateway is None or self.gateway.engine is not engine:
             self.gateway = Gateway(engine, self.renderer, self.ctx.sampling, policy=self.policy)
         return self.gateway
+
+    async def aevaluate(self, engine: InferenceEngine, item: dict[str, Any]) -> float:
+        """One greedy episode (the evaluation gateway samples greedily whatever the agent asks
+        for) and its reward: the agent's float, or its per-completion rewards summed. A failed
+        episode raises :class:`EpisodeError` (evaluation scores it 0 and counts it)."""
+        if self.eval_gateway is None or self.eval_gateway.engine is not engine:
+            self.eval_gateway = Gateway(engine, self.renderer,
+                                        replace(self.ctx.sampling, greedy=True), policy="override")
+        gateway = self.eval_gateway
+        async with self._evaluating:  # a jail per episode: not every eval row at once
+            session = gateway.open_session(self.limits, item)
+            try:
+                result = await self._run_jailed(gateway, session, item)
+                if session.fatal is not None:
+                    raise session.fatal
+                if session.failure is not None:
+                    raise AgentFailed(session.failure)
+                return turn_returns(result, session.turns, 1.0)[0] if session.turns else 0.0
+            except (AgentFailed, BadReward) as exc:
+                raise EpisodeError(f"agent evaluation episode failed: {exc}") from None
+            finally:
+                await gateway.close_session(session)
 
     async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> TrajectoryGroup | None:
         gateway = self._gateway(engine)
