@@ -116,3 +116,14 @@ def test_an_agent_run_on_a_solved_task_trains_with_zero_loss_and_gradient(tmp_pa
         assert r["reward/mean"] == pytest.approx(0.9) and r["agent/turns"] == 2  # 0.9 * 1.0
         assert r["advantage/abs_max"] == 0.0
         assert abs(r["loss"]) < 1e-6 and r["grad_norm"] < 1e-6, r
+
+
+def test_an_agents_own_temperatures_reach_the_train_batch():
+    from training_core.batching import build_train_batch
+
+    g = group([1.0, 0.0], [2, 2], 1.0)
+    assert build_train_batch([g], pad_id=0, algo=resolve_algorithm("grpo"),
+                             max_new_tokens=8).temperatures is None
+    g.samples[1].info["token_temperatures"] = [0.0] * 3 + [0.5] * 3
+    tb = build_train_batch([g], pad_id=0, algo=resolve_algorithm("grpo"), max_new_tokens=8)
+    assert tb.temperatures.tolist() == [[0.0] * 6, [0.0] * 3 + [0.5] * 3]

@@ -69,10 +69,16 @@ def test_streaming_gives_the_same_completion_in_chunks(gw):
     stream = _client(gw, session).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "2+2="}], stream=True,
         stream_options={"include_usage": True})
+    streamed = gw.engine.streamed
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     _, resp = gw.engine.calls[-1]
     assert text == gw.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
+    # Real streaming: the server sent each token as it was sampled, and the gateway passed them
+    # on (a chunk per visible token, not one at the end).
+    assert gw.engine.streamed - streamed == len(resp.output_ids)
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content_chunks) >= min(2, len(text))
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
     assert chunks[-1].usage.completion_tokens == len(resp.output_ids)
 
@@ -129,6 +135,9 @@ def test_the_pass_policy_samples_and_trains_at_the_agents_temperature(gw_pass):
     assert gw_pass.engine.requests[-1].sampling.temperature == 0.5
     seg = session.segments[-1]
     assert {t for t, m in zip(seg.temperatures, seg.mask, strict=True) if m} == {0.5}
+    (row,) = episode_trajectories(session, 1.0, episode=0)  # the trainer gets them per token
+    assert [t for t, m in zip(row.info["token_temperatures"], row.loss_mask, strict=True)
+            if m] == [0.5] * sum(row.loss_mask)
     # temperature 0: greedy, and a greedy turn is context, never trained
     messages += [out.choices[0].message.model_dump(exclude_none=True),
                  {"role": "user", "content": "again"}]

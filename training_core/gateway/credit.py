@@ -81,6 +81,9 @@ def episode_trajectories(session: Session, reward: Any, *, episode: int,
                                            if e["segment"] == k),
                   "turns_log": [{**e, "return": returns[e["turn"]]} for e in session.log
                                 if e["segment"] == k],
+                  # an agent's own temperatures (sampling: pass); 0.0 = the run's
+                  **({"token_temperatures": list(seg.temperatures)}
+                     if any(seg.temperatures) else {}),
                   **(session.metrics() if k == 0 else {})}))
     return rows
 

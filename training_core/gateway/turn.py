@@ -332,9 +332,8 @@ class Turn:
 
     async def _generate(self) -> AsyncIterator[tuple[GenerationResponse, int | None]]:
         engine = self.runner.engine
-        request = GenerationRequest(self.plan.prompt, self.sampling)
-        if hasattr(request, "route_key"):
-            request.route_key = self.session.id  # one session, one server: its prefix is cached
+        # One session, one server: the conversation so far is in that server's prefix cache.
+        request = GenerationRequest(self.plan.prompt, self.sampling, route_key=self.session.id)
         stream = getattr(engine, "agenerate_stream", None)
         try:
             if stream is None or not (self.req.stream or self.req.stop):

@@ -24,9 +24,10 @@ from typing import Any, Literal
 import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from training_core.rollout_server import streaming
 from training_core.rollout_server.engine_process import EngineProcess
 from training_core.transport.weight_group import DEFAULT_GROUP_NAME
 
@@ -81,6 +82,12 @@ class GenerateReqIn(BaseModel):
     return_logprob: bool | list[bool] | None = None
     rid: str | list[str] | None = None
     stream: bool = False
+
+
+class AbortReqIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    rid: str
 
 
 class PauseGenerationReqIn(BaseModel):
@@ -156,8 +163,6 @@ def create_app(engine: EngineProcess, tokenizer: Any) -> FastAPI:
 
     @app.post("/generate")
     async def generate(body: GenerateReqIn):
-        if body.stream:
-            return _error(400, "stream: streaming is not supported by the embedded server")
         ids = body.input_ids
         if ids is None and body.text is not None:
             ids = ([tokenizer.encode(t) for t in body.text] if isinstance(body.text, list)
@@ -176,6 +181,12 @@ def create_app(engine: EngineProcess, tokenizer: Any) -> FastAPI:
         rids = body.rid if isinstance(body.rid, list) else [
             f"{body.rid}-{i}" if body.rid and batch else body.rid for i in range(len(rows))]
         rids = [r or f"{uuid.uuid4().hex[:8]}-{next(counter)}" for r in rids]
+        if body.stream:  # streaming.py: events as the tokens are sampled
+            if batch:
+                return _error(400, "stream: one input per streamed request on the embedded server")
+            return StreamingResponse(streaming.events(engine, tokenizer, rids[0], rows[0],
+                                                      _sampling(params[0])),
+                                     media_type="text/event-stream")
         out = await engine.generate([(r, x, _sampling(p))
                                      for r, x, p in zip(rids, rows, params, strict=True)])
         # Already plain JSON types: a JSONResponse skips FastAPI's jsonable_encoder, which walked
@@ -241,6 +252,12 @@ def create_app(engine: EngineProcess, tokenizer: Any) -> FastAPI:
 
     @app.post("/flush_cache")
     async def flush_cache():
+        await engine.call("flush_cache")  # the prefix cache (prefix_cache.py)
+        return {"success": True}
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortReqIn):
+        await engine.call("abort_request", rid=body.rid)
         return {"success": True}
 
     @app.get("/health")

@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,9 +44,12 @@ from training_core.api import (
 )
 from training_core.transport.http import aretrying
 from training_core.transport.json_http import Connector, JsonHttpClient
+from training_core.transport.streaming import stream_generate
 from training_core.version import PolicyVersion
 
 log = logging.getLogger(__name__)
+
+MAX_ROUTES = 100_000  # sessions remembered for stickiness (the oldest forgotten first)
 
 
 @dataclass
@@ -101,6 +105,7 @@ class RolloutClient:
         # routing read it; weight_sync.push_weights advances it.
         self.policy = version or PolicyVersion()
         self._json_clients: dict[int, JsonHttpClient] = {}  # one per event loop, see _request
+        self._routes: dict[str, _Server] = {}  # route key -> its server (GenerationRequest)
         self.interruptions = 0
         # An abort is an interruption only if this client paused the servers while the request
         # was in flight: ``_pauses`` counts pauses, ``_paused`` is true until generation continues.
@@ -122,10 +127,17 @@ class RolloutClient:
 
     # ---- HTTP plumbing ----------------------------------------------------------------------
 
-    def _pick(self) -> _Server:
+    def _pick(self, route_key: str | None = None) -> _Server:
         now = time.monotonic()
         alive = [s for s in self.servers if s.down_until <= now] or self.servers
         current = [s for s in alive if not s.behind] or alive
+        if route_key is not None:  # a session sticks to its server (its prefix cache is there)
+            server = self._routes.get(route_key)
+            if server is None or server not in current:
+                server = self._routes[route_key] = min(current, key=lambda s: s.in_flight)
+                while len(self._routes) > MAX_ROUTES:
+                    self._routes.pop(next(iter(self._routes)))
+            return server
         return min(current, key=lambda s: s.in_flight)
 
     async def _request(self, server: _Server, method: str, path: str, payload: dict | None = None,
@@ -156,7 +168,8 @@ class RolloutClient:
     async def _get(self, server: _Server, path: str) -> Any:
         return await self._request(server, "GET", path, timeout_s=10.0)
 
-    async def _generate_once(self, payload: dict, weight: int = 1) -> dict | list:
+    async def _generate_once(self, payload: dict, weight: int = 1,
+                             route_key: str | None = None) -> dict | list:
         """POST /generate on the least-loaded healthy server; connection errors and 5xx move to
         another server and retry (the shared policy, training_core.transport.http) until ``retries``
         attempts and ``retry_window_s`` are both spent (a restarted server comes back within
@@ -166,7 +179,7 @@ class RolloutClient:
                                            max_delay_s=2.0,
                                            retry_on=(httpx.TransportError, RolloutServerError)):
                 with attempt:
-                    return await self._generate_on(self._pick(), payload, weight)
+                    return await self._generate_on(self._pick(route_key), payload, weight)
         except (httpx.TransportError, RolloutServerError) as exc:
             raise RolloutServerError(
                 f"servers unreachable: generation failed after {self.retries + 1}+ attempts over "
@@ -206,6 +219,11 @@ class RolloutClient:
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
         return (await self.agenerate_group(request, 1))[0]
+
+    def agenerate_stream(self, request: GenerationRequest) -> AsyncIterator[GenerationResponse]:
+        """Partial responses as the tokens are sampled; the last is complete
+        (transport/streaming.py)."""
+        return stream_generate(self, request)
 
     async def agenerate_group(self, request: GenerationRequest, n: int) -> list[GenerationResponse]:
         """``n`` samples of one prompt. The first round is one batched HTTP call (SGLang takes a
@@ -259,7 +277,8 @@ class RolloutClient:
     async def _round(self, request: GenerationRequest, states: list[_Partial]) -> None:
         version_at_submit = self.policy.current
         pauses_at_submit = self._pauses
-        result = await self._generate_once(self._payload(request, states), weight=len(states))
+        result = await self._generate_once(self._payload(request, states), weight=len(states),
+                                           route_key=request.route_key)
         results = result if isinstance(result, list) else [result]
         if len(results) != len(states):
             raise RolloutServerError(f"asked for {len(states)} samples, got {len(results)}")
