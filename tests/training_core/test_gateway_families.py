@@ -262,3 +262,28 @@ def test_parsers(text, family, calls, failed):
     assert parsed.failed == failed
     if family == "mistral":
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in parsed.tool_calls)
+
+
+def test_a_client_gone_before_the_first_event_leaves_the_session_usable():
+    """A streamed turn whose client hangs up releases the session (the next request is served,
+    and the abandoned turn changed nothing)."""
+    import socket
+
+    tok = family_tokenizer("qwen")
+    gw = _gateway("qwen", ["first answer" + tok.eos_token, "second" + tok.eos_token])
+    try:
+        session = gw.open()
+        host, port = gw.url.removeprefix("http://").split(":")
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True})
+        s = socket.create_connection((host, int(port)))
+        s.sendall((f"POST /sessions/{session.id}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                   f"Authorization: Bearer {session.key}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+        s.close()  # gone at once
+        client = openai.OpenAI(base_url=f"{gw.url}/sessions/{session.id}/v1",
+                               api_key=session.key, max_retries=0, timeout=30)
+        out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert out.choices[0].message.content in ("first answer", "second")
+        assert not session.lock.locked()
+    finally:
+        gw.close()

@@ -186,7 +186,8 @@ async def serve(body: Any, open_turn: Any, model: str) -> Response | EventStream
     except BaseException:
         await events.aclose()
         raise
-    return EventStream(_events(turn, first, events, model), headers=turn_headers(turn))
+    return EventStream(_events(turn, first, events, model), headers=turn_headers(turn),
+                       close=events.aclose)
 
 
 async def _events(turn: Turn, first: Delta | Answer, events: AsyncIterator[Delta | Answer],

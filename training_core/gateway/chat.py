@@ -29,7 +29,12 @@ FALLBACK_TEMPLATE = (
     "{% if tools or messages[0].role == 'system' %}{{ '<|system|>\\n' }}"
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}"
     "{% if tools %}{% if messages[0].role == 'system' %}{{ '\\n' }}{% endif %}{{ 'tools: ' }}"
-    "{% for t in tools %}{{ (t.function or t) | tojson }}{% endfor %}"
+    # Each tool as a signature, not its JSON schema: the tiny model has 512 positions, and a
+    # calculator's schema took 290 of them (this form: 100).
+    "{% for t in tools %}{% set f = t.function or t %}{% if not loop.first %}{{ '; ' }}{% endif %}"
+    "{{ f.name }}({% for k, v in ((f.parameters or {}).properties or {}).items() %}"
+    "{% if not loop.first %}{{ ', ' }}{% endif %}{{ k }}: {{ v.type or 'any' }}{% endfor %})"
+    "{% if f.description %}{{ ' - ' + f.description }}{% endif %}{% endfor %}"
     "{{ '\\ncall: <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>' }}{% endif %}"
     "{{ eos_token + '\\n' }}{% endif %}"
     "{% for m in messages %}{% if not (loop.first and m.role == 'system') %}"

@@ -58,7 +58,7 @@ async def serve(body: Any, open_turn: Any, model: str) -> Response | EventStream
         await events.aclose()
         raise
     return EventStream(_chunks(turn, first, events, model, req.include_usage, req.logprobs),
-                       headers=turn_headers(turn))
+                       headers=turn_headers(turn), close=events.aclose)
 
 
 def turn_headers(turn: Turn) -> dict[str, str]:

@@ -85,6 +85,9 @@ class EventStream:
     events: AsyncIterator[Any]
     status: int = 200
     headers: dict[str, str] = field(default_factory=dict)
+    # Awaited once the stream is written or abandoned, whatever happened (a client gone before
+    # the first event included): what the events hold (a turn's lock) is released.
+    close: Callable[[], Awaitable[None]] | None = None
 
 
 Handler = Callable[[Request], Awaitable[Response | EventStream]]
@@ -212,12 +215,12 @@ async def _write(writer: asyncio.StreamWriter, result: Response | EventStream, k
                                            "Connection": conn, **result.headers}) + body)
         await _drain(writer, limits)
         return
-    writer.write(_head(result.status, {"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache", "Connection": conn,
-                                       "Transfer-Encoding": "chunked", **result.headers}))
-    await _drain(writer, limits)
     events = result.events
     try:
+        writer.write(_head(result.status, {"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache", "Connection": conn,
+                                           "Transfer-Encoding": "chunked", **result.headers}))
+        await _drain(writer, limits)
         async for event in events:
             name = None
             if isinstance(event, tuple):
@@ -231,6 +234,8 @@ async def _write(writer: asyncio.StreamWriter, result: Response | EventStream, k
         close = getattr(events, "aclose", None)
         if close is not None:  # a client that went away: the generator's cleanup runs now
             await close()
+        if result.close is not None:
+            await result.close()
     writer.write(b"0\r\n\r\n")
     await _drain(writer, limits)
 

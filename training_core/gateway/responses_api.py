@@ -210,7 +210,8 @@ async def serve(body: Any, previous_of: Any, open_turn: Any, model: str) -> Resp
     except BaseException:
         await events.aclose()
         raise
-    return EventStream(_events(turn, body, first, events, model), headers=turn_headers(turn))
+    return EventStream(_events(turn, body, first, events, model), headers=turn_headers(turn),
+                       close=events.aclose)
 
 
 async def _events(turn: Turn, body: dict[str, Any], first: Delta | Answer,

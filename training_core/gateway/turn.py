@@ -16,6 +16,7 @@ generation is cancelled as soon as the stop string appears.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -266,9 +267,10 @@ class Turn:
             self.session.lock.release()
 
     async def run(self) -> Answer:
-        async for item in self.stream():
-            if isinstance(item, Answer):
-                return item
+        async with contextlib.aclosing(self.stream()) as items:  # the lock, even if cancelled
+            async for item in items:
+                if isinstance(item, Answer):
+                    return item
         raise AssertionError("a turn ends with its answer")  # pragma: no cover
 
     async def stream(self) -> AsyncIterator[Delta | Answer]:
