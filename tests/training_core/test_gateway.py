@@ -173,6 +173,11 @@ def test_stop_cuts_after_the_stop_string_and_keeps_the_sampled_ids(gw_pass):
     assert kept == greedy.output_ids[: len(kept)] and 0 < len(kept) < len(greedy.output_ids)
     assert stop in gw_pass.tokenizer.decode(kept) and stop not in gw_pass.tokenizer.decode(kept[:-1])
     assert out.usage.completion_tokens == len(kept)
+    # Streamed: the same answer, the generation cancelled at the stop string.
+    chunks = list(_client(gw_pass, gw_pass.open()).chat.completions.create(
+        model="m", messages=messages, temperature=0, stop=[stop], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        text[: text.index(stop)]
 
 
 def test_a_required_or_named_tool_call_is_opened_in_the_prompt(gw):

@@ -115,6 +115,9 @@ class View:
 
     def _visible(self, text: str) -> tuple[str, str]:
         held = list(self.stop)
+        for stop in self.stop:  # the answer ends before a stop string
+            if stop in text:
+                text = text[: text.index(stop)]
         stripped = text.lstrip()
         if not self.opened and THINK_OPEN.startswith(stripped):
             return "", ""  # nothing yet, or it could still open <think>
