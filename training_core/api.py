@@ -44,6 +44,9 @@ class SamplingParams:
 class GenerationRequest:
     input_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Requests with one key go to one server while it is up (an agent session's turns: that
+    # server's prefix cache holds the conversation so far). None: the least loaded server.
+    route_key: str | None = None
 
 
 @dataclass
@@ -243,6 +246,9 @@ class TrainBatch:
     behav_logp: torch.Tensor
     versions: torch.Tensor
     advantages: torch.Tensor
+    # The temperature each token was sampled at, where some differ from the run's (an agent's
+    # own under rollout.agent.sampling: pass); 0 means the run's. None: all the run's.
+    temperatures: torch.Tensor | None = None
 
     @property
     def lengths(self) -> list[int]:
@@ -255,7 +261,8 @@ class TrainBatch:
         t = torch.tensor(idx)
         return TrainBatch(*(x[t, :length] for x in (
             self.input_ids, self.attention_mask, self.loss_mask, self.behav_logp, self.versions,
-            self.advantages)))
+            self.advantages)), temperatures=None if self.temperatures is None
+            else self.temperatures[t, :length])
 
 
 class MetricsSink(Protocol):

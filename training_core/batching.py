@@ -49,6 +49,10 @@ def build_train_batch(groups: list[TrajectoryGroup], *, pad_id: int, algo: Algor
         versions=torch.tensor(pad([s.versions for s in samples], PROMPT_VERSION), dtype=torch.long),
         advantages=(adv.view(-1, 1) if token_adv is None
                     else torch.tensor(pad(token_adv, 0.0), dtype=torch.float32)) * loss_mask,
+        # An agent's own temperatures (gateway: rollout.agent.sampling pass), 0 = the run's.
+        temperatures=torch.tensor(pad([s.info.get("token_temperatures") or [0.0] * len(s.input_ids)
+                                       for s in samples], 0.0), dtype=torch.float32)
+        if any(s.info.get("token_temperatures") for s in samples) else None,
     )
 
 

@@ -139,15 +139,23 @@ class AgentSpec(_Section):
         "gamma across turns: turn t's return is sum_k>=t gamma^(k-t) r_k"))
     retries: int = Field(1, ge=0, le=3, description=(
         "a failed episode is run again this many times, then its group is dropped (never 0)"))
-    tool_format: Literal["auto", "hermes", "smollm2"] = Field("auto", description=(
-        "how tools are described to a model whose chat template ignores them, and its call form; "
-        "auto: SmolLM2's for SmolLM2, Hermes otherwise"))
+    tool_format: Literal["auto", "hermes", "qwen", "llama3", "mistral", "smollm2"] = Field(
+        "auto", description=(
+            "how the model writes tool calls (and how tools are described to a model whose chat "
+            "template ignores them); auto: read from the chat template"))
+    sampling: Literal["override", "refuse", "pass"] = Field("override", description=(
+        "what agents' temperature, top_p, seed, ... do. override: the run's sampling is used "
+        "and what was overridden is reported; refuse: a 400 naming the field; pass: the agent's "
+        "temperature/top_p/top_k are used and trained with (docs/agents.md)"))
     memory_mb: int = Field(2048, ge=256, description="memory of one agent's jail")
     gateway_host: str = Field("127.0.0.1", description=(
-        "online mode: the address the gateway listens on (0.0.0.0 for clients on other hosts)"))
-    gateway_port: int = Field(0, ge=0, le=65535, description="online mode: 0 picks a free port")
-    gateway_file: str = Field("", description=(
-        "online mode: where the URL and run key are written (0600); default <run_dir>/gateway.json"))
+        "online mode (administrators): the address the gateway listens on (0.0.0.0 for clients "
+        "on other hosts; put a TLS proxy in front)"))
+    gateway_port: int = Field(0, ge=0, le=65535, description=(
+        "online mode (administrators): 0 picks a free port"))
+    public_url: str = Field("", max_length=512, description=(
+        "online mode (administrators): the URL clients on other hosts use (e.g. the TLS proxy's "
+        "https://...); empty: http://<this host's name>:<port>"))
     gateway_key: str = Field("", max_length=128, description=(
         "online mode: the run key external clients present; the web app issues one per online "
         "run and shows it on the run page; empty: the gateway makes one"))

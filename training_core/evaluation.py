@@ -46,6 +46,8 @@ async def evaluate(client: InferenceEngine, ctx: WorkflowContext, rows: list[dic
 
     async def one(item: dict[str, Any]) -> float:
         try:
+            if ctx.evaluate_episode is not None:  # an agent: its own greedy episode
+                return float(await ctx.evaluate_episode(client, item))
             resp = await client.agenerate(GenerationRequest(ctx.render_prompt(item), greedy))
             return (await ctx.rewards.score(ctx.decode(resp.output_ids), item)).reward
         except EpisodeError as exc:  # this row's fault; a server down still fails the run

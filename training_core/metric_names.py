@@ -37,7 +37,12 @@ TRUNCATED_FRAC = _name("rollout/truncated_frac")
 
 # ---- agent episodes (workflows/agent.py); present on agent runs only ----------------------------
 AGENT = tuple(_name(f"agent/{k}") for k in (
-    "turns", "segments", "forks", "tool_calls", "tool_parse_failures", "retries"))
+    "turns", "segments", "forks", "tool_calls", "tool_parse_failures", "retries",
+    "sampling_overrides", "rejected_requests"))
+# Per step, over the tokens that train: how large the advantages are (agent credit is bounded by
+# construction, gateway/credit.py; a jump here is the first sign of a reward out of scale).
+ADVANTAGE_ABS_MEAN = _name("advantage/abs_mean")
+ADVANTAGE_ABS_MAX = _name("advantage/abs_max")
 
 # ---- the update and the step (step_metrics.step_metrics) -----------------------------------------
 LOSS = _name("loss")

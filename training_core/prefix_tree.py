@@ -86,8 +86,9 @@ def generation_starts(attention_mask: torch.Tensor, versions: torch.Tensor) -> t
 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      temperature: float) -> torch.Tensor:
-    """logp[:, t] = log pi(input_ids[:, t] | input_ids[:, :t]); column 0 is 0. Every row whole."""
+                      temperature: float | torch.Tensor) -> torch.Tensor:
+    """logp[:, t] = log pi(input_ids[:, t] | input_ids[:, :t]); column 0 is 0. Every row whole.
+    ``temperature``: one, or one per predicted token ([N, L - 1, 1])."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     logits = logits[:, :-1].float() / temperature
     logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)

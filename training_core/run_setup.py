@@ -166,12 +166,12 @@ def build_run(spec: RunSpec, *, resume_dir: str | Path | None = None,
         tokenizer=run.tokenizer, rewards=run.rewards, sampling=sampling,
         group_size=spec.rollout.group_size, prompt_template=spec.data.prompt_template,
         chat_template=spec.data.chat_template, max_turns=spec.rollout.max_turns,
-        turn_discount=spec.rollout.turn_discount,
-        agent=spec.rollout.agent.model_copy(update={  # online mode writes it
-            "gateway_file": spec.rollout.agent.gateway_file or str(run_dir / "gateway.json")}))
+        turn_discount=spec.rollout.turn_discount, agent=spec.rollout.agent)
     online = spec.rollout.mode == "online"
     workflow = load_workflow("online" if online else spec.rollout.workflow, run.ctx)
+    run.ctx.evaluate_episode = getattr(workflow, "aevaluate", None)  # agents evaluate their way
     if online:  # the gateway's URL (never its key) in the run's events
+        workflow.file = run_dir / "gateway.json"  # always there: no spec field names a path
         workflow.on_ready = lambda url: run.sink.event("gateway", f"online gateway at {url}",
                                                        url=url)
     run.executor = RolloutExecutor(run.client, workflow, loader, run.staleness,

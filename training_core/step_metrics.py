@@ -9,6 +9,7 @@ from typing import Any
 
 from training_core import metric_names as M
 from training_core.algorithms.presets import AlgorithmConfig
+from training_core.api import TrainBatch
 from training_core.evaluation import CORRECT
 from training_core.rollout import Batch
 from training_core.workflows.agent import agent_metrics
@@ -36,6 +37,14 @@ def batch_metrics(groups, version: int, algo: AlgorithmConfig) -> dict[str, floa
         M.REWARD_ERROR_FRAC: sum(1 for s in samples if s.info.get("reward_error")) / len(samples),
         **agent_metrics(samples),  # agent/* (turns, segments, forks, tool calls): agent runs only
     }
+
+
+def advantage_metrics(batch: TrainBatch) -> dict[str, float]:
+    """How large the advantages of the tokens that train are (mean and max of |A|)."""
+    adv = batch.advantages[batch.loss_mask.bool()].abs()
+    if adv.numel() == 0:
+        return {M.ADVANTAGE_ABS_MEAN: 0.0, M.ADVANTAGE_ABS_MAX: 0.0}
+    return {M.ADVANTAGE_ABS_MEAN: adv.mean().item(), M.ADVANTAGE_ABS_MAX: adv.max().item()}
 
 
 def sample_records(groups, tokenizer, n: int, extract: str = "auto") -> list[dict[str, Any]]:

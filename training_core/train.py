@@ -47,7 +47,12 @@ from training_core.metrics import BATCH_LOG
 from training_core.reward_failures import RewardFailureWatch
 from training_core.run_setup import Run, build_run
 from training_core.staleness import rows_needing_proximal
-from training_core.step_metrics import batch_metrics, sample_records, step_metrics
+from training_core.step_metrics import (
+    advantage_metrics,
+    batch_metrics,
+    sample_records,
+    step_metrics,
+)
 from training_core.thread_share import ThreadShare
 from training_core.transport.weight_sync import WeightSync, push_weights
 from training_core.update_guard import UpdateRefusals
@@ -126,6 +131,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
             with timers("prepare"):
                 tb = build_train_batch(batch.groups, pad_id=run.tokenizer.pad_token_id, algo=algo,
                                        max_new_tokens=spec.rollout.max_new_tokens)
+                metrics.update(advantage_metrics(tb))
                 tb = scatter_batch(tb, run.world)  # this rank's share (all of it with one process)
 
             # 3-5. Proximal logprobs, update, weight export: on every rank (collective_update).

@@ -19,6 +19,8 @@ class RecordingEngine:
     def __init__(self, client: RolloutClient):
         self.client = client
         self.calls: list[tuple[list[int], GenerationResponse]] = []
+        self.requests: list[GenerationRequest] = []
+        self.streamed = 0  # partial responses the client streamed
 
     @property
     def version(self) -> int:
@@ -27,18 +29,42 @@ class RecordingEngine:
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
         resp = await self.client.agenerate(request)
         self.calls.append((list(request.input_ids), resp))
+        self.requests.append(request)
         return resp
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "agenerate_stream" and hasattr(self.client, "agenerate_stream"):
+            return self._stream
+        raise AttributeError(name)
+
+    async def _stream(self, request: GenerationRequest):
+        """The client's stream, recording the last response it gave (what the gateway kept)."""
+        last = None
+        updates = self.client.agenerate_stream(request)
+        try:
+            async for last in updates:
+                self.streamed += 1
+                yield last
+        finally:
+            await updates.aclose()
+            if last is not None:
+                self.calls.append((list(request.input_ids), last))
+                self.requests.append(request)
 
 
 class GatewayThread:
-    def __init__(self, server_url: str, tokenizer: Any, sampling: SamplingParams, **kw: Any):
+    """``server_url``: a real rollout server; or ``engine=``: an engine of the test's (a scripted
+    model of a family that cannot run here)."""
+
+    def __init__(self, server_url: str | None, tokenizer: Any, sampling: SamplingParams,
+                 engine: Any = None, **kw: Any):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.tokenizer = tokenizer
 
         async def make():
-            self.engine = RecordingEngine(RolloutClient([server_url]))
+            self.engine = engine or RecordingEngine(RolloutClient([server_url]))
             self.gateway = Gateway(self.engine, ChatRenderer(tokenizer, kw.pop("tool_format", "auto")),
                                    sampling, **kw)
             return await self.gateway.start_tcp()
@@ -57,7 +83,8 @@ class GatewayThread:
     def close(self) -> None:
         async def shut():
             await self.gateway.aclose()
-            await self.engine.client.aclose()
+            if hasattr(self.engine, "client"):
+                await self.engine.client.aclose()
 
         self.call(shut())
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -80,3 +80,32 @@ def test_an_agent_module_that_does_not_exist_is_named():
         agent_source("nowhere.agent:run")
     source, entry = agent_source("examples/calculator_agent.py:run")
     assert entry == "run" and "def run(" in source
+
+
+def test_agents_are_evaluated_by_a_greedy_episode_through_the_gateway(server, tiny_model_dir):
+    import asyncio
+
+    from training_core.evaluation import evaluate
+    from training_core.transport.rollout_client import RolloutClient
+
+    wf = _workflow(tiny_model_dir, "solved")
+    wf.ctx.evaluate_episode = wf.aevaluate
+    sent = []
+
+    async def go():
+        client = RolloutClient([server])
+        real = client.agenerate
+
+        async def recording(request):
+            sent.append(request.sampling)
+            return await real(request)
+
+        client.agenerate = recording
+        try:
+            return await evaluate(client, wf.ctx, [{"question": "1+2="}, {"question": "2+2="}], 6)
+        finally:
+            await client.aclose()
+
+    metrics = asyncio.run(go())
+    assert metrics["eval/reward"] == 1.0 and metrics["eval/accuracy"] == 1.0
+    assert len(sent) == 4 and all(s.greedy for s in sent)  # two greedy turns per episode

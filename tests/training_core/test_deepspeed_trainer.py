@@ -356,3 +356,24 @@ def test_a_parameter_the_loss_misses_still_steps_on_a_single_rank(tiny_model_dir
     t.train_step(b, prox, missed_by_the_forward, before_micro_batch=lambda: norm.requires_grad_(False))
     assert norm.requires_grad
     torch.testing.assert_close(norm.detach(), before * (1 - lr * decay))
+
+
+def test_per_token_temperatures_are_the_ones_sampled_at(trainer):
+    """An agent's own temperature (rollout.agent.sampling: pass) travels with its tokens: the
+    trainer's logprobs of a token are at the temperature it was sampled at (0: the run's)."""
+    b = _batch(n=2, seed=3)
+    at_run = trainer.logprobs(b)  # the run's temperature (1.0)
+    b.temperatures = torch.zeros_like(b.behav_logp)
+    assert torch.allclose(trainer.logprobs(b), at_run, atol=1e-5)  # 0 = the run's
+    b.temperatures[1, 7:] = 0.5  # row 1's last tokens were sampled at 0.5
+    mixed = trainer.logprobs(b)
+    assert torch.allclose(mixed[0], at_run[0], atol=1e-5)
+    assert torch.allclose(mixed[1, :7], at_run[1, :7], atol=1e-5)
+    trainer.temperature = 0.5
+    try:
+        half = trainer.logprobs(TrainBatch(b.input_ids, b.attention_mask, b.loss_mask,
+                                           b.behav_logp, b.versions, b.advantages))
+    finally:
+        trainer.temperature = 1.0
+    assert torch.allclose(mixed[1, 7:], half[1, 7:], atol=1e-5)
+    assert not torch.allclose(mixed[1, 7:], at_run[1, 7:], atol=1e-3)

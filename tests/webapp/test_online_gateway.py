@@ -46,6 +46,8 @@ def test_an_online_run_gets_a_key_and_its_members_see_url_and_key(online_run, ru
     client.force_login(alice)
     page = client.get(f"/runs/{online_run.id}/").content.decode()
     assert 'id="gateway"' in page and key in page and "http://10.0.0.5:41234" in page
+    # How to point an agent at it: the URL's /v1 with the run key, rewards by answer id.
+    assert 'base_url="http://10.0.0.5:41234/v1"' in page and "/rl/reward" in page
     assert 'id="gateway"' not in client.get(f"/runs/{run.id}/").content.decode()
 
 

@@ -1,7 +1,10 @@
-"""Agentic RL: an OpenAI-compatible gateway in front of the rollout servers.
+"""Agentic RL: an OpenAI- and Anthropic-compatible gateway in front of the rollout servers.
 
-Agents written against the OpenAI API train by pointing ``base_url`` at a session of the
-gateway (server.py). Each chat completion is one ``agenerate(input_ids)``; the ids of a
-conversation are kept exactly as sampled across turns (chat.py, session.py), tool calls are
-parsed per model family (tools.py), and credit is assigned per segment (credit.py).
+Agents written against those APIs train by pointing ``base_url`` at the gateway (server.py:
+sessions, listeners, routing; http.py: the bounded HTTP server). Every API (chat_api.py,
+responses_api.py, anthropic_api.py) reads its request into plain chat messages (requests.py)
+and runs one turn (turn.py): the ids of a conversation kept exactly as sampled across turns
+(chat.py, session.py), the run's sampling policy (sampling.py), tool calls and reasoning parsed
+per model family (tools.py); credit is assigned per segment (credit.py). Online mode
+(online.py) serves agents that run elsewhere.
 """

@@ -9,9 +9,16 @@ rendering a fixed two-message conversation with and without them and taking the 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
-from training_core.gateway.tools import call_text, tools_system_prompt
+from training_core.gateway.tools import (
+    MARKERS,
+    THINK_OPEN,
+    call_text,
+    family_of,
+    tools_system_prompt,
+)
 
 # For tokenizers without a chat template (the tiny model): ChatML-like and short (the tiny model
 # has a character tokenizer and 512 positions), tools described in the system turn and called in
@@ -22,7 +29,12 @@ FALLBACK_TEMPLATE = (
     "{% if tools or messages[0].role == 'system' %}{{ '<|system|>\\n' }}"
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}"
     "{% if tools %}{% if messages[0].role == 'system' %}{{ '\\n' }}{% endif %}{{ 'tools: ' }}"
-    "{% for t in tools %}{{ (t.function or t) | tojson }}{% endfor %}"
+    # Each tool as a signature, not its JSON schema: the tiny model has 512 positions, and a
+    # calculator's schema took 290 of them (this form: 100).
+    "{% for t in tools %}{% set f = t.function or t %}{% if not loop.first %}{{ '; ' }}{% endif %}"
+    "{{ f.name }}({% for k, v in ((f.parameters or {}).properties or {}).items() %}"
+    "{% if not loop.first %}{{ ', ' }}{% endif %}{{ k }}: {{ v.type or 'any' }}{% endfor %})"
+    "{% if f.description %}{{ ' - ' + f.description }}{% endif %}{% endfor %}"
     "{{ '\\ncall: <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>' }}{% endif %}"
     "{{ eos_token + '\\n' }}{% endif %}"
     "{% for m in messages %}{% if not (loop.first and m.role == 'system') %}"
@@ -39,15 +51,12 @@ _USER, _ASSISTANT = "\u2063\u2064user\u2064\u2063", "\u2063\u2064assistant\u2064
 
 def canonical(message: dict[str, Any]) -> dict[str, Any]:
     """What identifies a message for prefix matching: role, text, tool calls (name and parsed
-    arguments), tool_call_id, name. Call ids and SDK extras (refusal, audio, ...) do not count."""
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: the text ones
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    out: dict[str, Any] = {"role": message.get("role"), "content": content or ""}
+    arguments), tool_call_id, name. Call ids, reasoning and SDK extras (refusal, audio, ...) do
+    not count. Takes messages in the normal form of requests.py."""
+    out: dict[str, Any] = {"role": message.get("role"), "content": message.get("content") or ""}
     calls = message.get("tool_calls") or []
     if calls:
-        out["tool_calls"] = [(c.get("function", {}).get("name"),
-                              _json_or_text(c.get("function", {}).get("arguments")))
+        out["tool_calls"] = [(c["function"]["name"], _json_or_text(c["function"]["arguments"]))
                              for c in calls]
     for key in ("tool_call_id", "name"):
         if message.get(key) is not None:
@@ -64,10 +73,24 @@ def _json_or_text(value: Any) -> Any:
     return json.dumps(value, sort_keys=True)
 
 
+def context_length(tokenizer: Any) -> int | None:
+    """The model's context (``max_position_embeddings`` of the model next to the tokenizer, else
+    the tokenizer's ``model_max_length`` when it is a real bound); None when unknown."""
+    path = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "config.json"
+    try:
+        value = json.loads(path.read_text()).get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    except (OSError, ValueError, AttributeError):
+        pass
+    value = getattr(tokenizer, "model_max_length", None)
+    return value if isinstance(value, int) and 0 < value < 10**7 else None
+
+
 class ChatRenderer:
-    """One tokenizer's chat rendering. ``tool_format``: ``auto`` (SmolLM2's form for a SmolLM2
-    template, Hermes otherwise), ``hermes`` or ``smollm2``; it matters only for templates that do
-    not render ``tools`` themselves."""
+    """One tokenizer's chat rendering and decoding. ``tool_format``: ``auto`` (the family its
+    chat template speaks, tools.family_of) or a family of tools.FAMILIES; the family decides how
+    calls are parsed, and how tools and calls are written for templates that ignore them."""
 
     def __init__(self, tokenizer: Any, tool_format: str = "auto"):
         self.tok = tokenizer
@@ -75,10 +98,19 @@ class ChatRenderer:
         if not isinstance(self.template, str):  # a dict of named templates
             self.template = self.template.get("default") or next(iter(self.template.values()))
         self.template_tools = "tools" in self.template
-        if tool_format == "auto":
-            tool_format = "smollm2" if "SmolLM" in self.template else "hermes"
-        self.family = tool_format
+        self.family = family_of(self.template) if tool_format == "auto" else tool_format
         self.eos_ids = {i for i in [tokenizer.eos_token_id] if i is not None}
+        # Special tokens dropped from a completion's text: all but the parsers' markers.
+        special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        for i, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+            if getattr(added, "special", False):
+                special.add(i)
+        self.dropped_ids = {i for i in special
+                            if tokenizer.convert_ids_to_tokens(i) not in MARKERS}
+        # The longest text one token stands for (at most 32): no prompt longer than
+        # context * this many characters fits the context, so it is refused before tokenizing.
+        self.max_token_chars = 32
+        self.max_context = context_length(tokenizer)
 
     # ---- text ------------------------------------------------------------------------------
 
@@ -91,10 +123,10 @@ class ChatRenderer:
             m = {k: v for k, v in canonical(m).items() if k != "tool_calls"} | (
                 {"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {})
             if m.get("tool_calls"):
-                calls = [{"id": c.get("id"), "type": "function",
+                calls = [{"id": c.get("id") or f"call_{k}", "type": "function",
                           "function": {"name": c["function"]["name"],
                                        "arguments": _parsed(c["function"].get("arguments"))}}
-                         for c in m["tool_calls"]]
+                         for k, c in enumerate(m["tool_calls"])]
                 if self.template_tools:
                     m["tool_calls"] = calls
                 else:
@@ -119,6 +151,16 @@ class ChatRenderer:
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
+    def decode(self, ids: list[int]) -> str:
+        """A completion's text: special tokens dropped except the parsers' markers
+        (``<tool_call>``, ``<|python_tag|>``, ``[TOOL_CALLS]``, ``<think>``, ...)."""
+        return self.tok.decode([i for i in ids if i not in self.dropped_ids],
+                               skip_special_tokens=False)
+
+    def opens_reasoning(self, prompt: list[int]) -> bool:
+        """Whether the prompt ends inside ``<think>`` (Qwen3 / DeepSeek-R1 templates open it)."""
+        return self.decode(prompt[-8:]).rstrip().endswith(THINK_OPEN)
+
     # ---- ids -------------------------------------------------------------------------------
 
     def full(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
@@ -132,8 +174,11 @@ class ChatRenderer:
         the completion's last token (``None``: empty). None when the template does not render a
         conversation as a prefix of its extension (then the caller renders in full)."""
         base = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
-        before = self.text(base, tools, generation=False)
-        after = self.text(base + list(new), tools, generation=True)
+        try:
+            before = self.text(base, tools, generation=False)
+            after = self.text(base + list(new), tools, generation=True)
+        except Exception:  # a template that raises on this shape (e.g. roles must alternate)
+            return None
         if not after.startswith(before) or before.count(_ASSISTANT) != 1:
             return None
         tail = before[before.index(_ASSISTANT) + len(_ASSISTANT):]  # the turn's end marker

@@ -1,13 +1,24 @@
 """Credit for agent episodes: rewards per trajectory or per completion, an optional discount
-across turns, the group baseline over the G trajectories of one task item.
+across turns, the group baseline over the G trajectories of one task item; bounded by
+construction.
 
 An episode with completions (turns) t = 0..T-1 has per-turn rewards r_t: the agent's list (one
 per completion), or a single float R given as r_{T-1} = R. Its return-to-go from turn t is
-``G_t = sum_{k >= t} gamma^(k-t) r_k`` and its return is ``G_0``. The preset's group baseline is
-computed over the G returns ``G_0`` of one item (GRPO, Dr.GRPO, RLOO unchanged), and a token of
-turn t gets ``A_i + (G_{i,t} - G_{i,0}) * s``, where ``A_i`` is the trajectory's advantage and
-``s`` the preset's scale (1 / group std when it normalises, else 1). With gamma = 1 and one
-float reward every turn gets ``A_i``: the trajectory-level GRPO of rLLM/AReaL.
+``G_t = sum_{k >= t} gamma^(k-t) r_k`` and its return is ``G_0``.
+
+A token of turn t of episode i gets ``A_i + (G_{i,t} - G_{i,0}) * c``:
+
+- ``A_i`` is the preset's advantage of the trajectory over the returns ``G_0`` of its group
+  (GRPO, Dr.GRPO, RLOO, DAPO: the G episodes of one task item; ``ppo_kl``'s batch mean: every
+  episode of the batch), exactly as for single-turn samples;
+- the per-turn term is never divided by the group's spread: ``c`` is 1 / (the largest |G| of the
+  group) for presets that normalise (so it is at most 2 in magnitude, the units of A_i), and 1
+  for those that do not (reward units, as their A_i);
+- a group whose returns ``G_0`` are all equal (within 1e-6 of the largest) carries no signal:
+  every token gets 0, whatever the discount or the per-turn split. A run on a task every
+  episode solves trains with loss and gradient norm zero.
+
+With gamma = 1 and one float every turn gets ``A_i``: the trajectory-level GRPO of rLLM/AReaL.
 
 Every segment of a trajectory is its own row, carrying these per-token advantages; prompt tokens
 (tool results, user turns) have loss mask 0.
@@ -81,27 +92,69 @@ def episode_trajectories(session: Session, reward: Any, *, episode: int,
                                            if e["segment"] == k),
                   "turns_log": [{**e, "return": returns[e["turn"]]} for e in session.log
                                 if e["segment"] == k],
+                  # an agent's own temperatures (sampling: pass); 0.0 = the run's
+                  **({"token_temperatures": list(seg.temperatures)}
+                     if any(seg.temperatures) else {}),
                   **(session.metrics() if k == 0 else {})}))
     return rows
+
+
+SPREAD_EPS = 1e-6
+
+
+def _episodes(groups: list[TrajectoryGroup]) -> list[dict[int, float]]:
+    """Per group, episode -> its return G_0."""
+    out = []
+    for group in groups:
+        episodes: dict[int, float] = {}
+        for s in group.samples:
+            episodes.setdefault(s.info["episode"], s.info["episode_return"])
+        out.append(episodes)
+    return out
+
+
+def _scale(values: list[float]) -> float:
+    return max((abs(v) for v in values), default=0.0)
 
 
 def segment_advantages(groups: list[TrajectoryGroup], algo: AlgorithmConfig,
                        eps: float = 1e-6) -> list[list[float]]:
     """Per row (segment) and token, the advantage (module doc); the rows in the order of
     ``[s for g in groups for s in g.samples]``."""
+    per_group = _episodes(groups)
+    batch = algo.baseline == "batch_mean"
+    # The population the baseline compares: the batch for batch_mean, else each group.
+    populations = [[r for eps_ in per_group for r in eps_.values()]] * len(groups) if batch \
+        else [list(e.values()) for e in per_group]
+    if batch:
+        everything = torch.tensor([populations[0]], dtype=torch.float32)
+        flat = group_advantages(everything, algo)[0].tolist()
+        advantages, k = [], 0
+        for episodes in per_group:
+            advantages.append(dict(zip(episodes, flat[k:k + len(episodes)], strict=True)))
+            k += len(episodes)
+    else:
+        advantages = []
+        for episodes in per_group:
+            keys = list(episodes)
+            if len(keys) < 2:  # no baseline to compare with: no signal
+                advantages.append(dict.fromkeys(keys, 0.0))
+                continue
+            returns = torch.tensor([[episodes[k] for k in keys]], dtype=torch.float32)
+            advantages.append(dict(zip(keys, group_advantages(returns, algo)[0].tolist(),
+                                       strict=True)))
     out: list[list[float]] = []
-    for group in groups:
-        episodes: dict[int, float] = {}
+    for group, adv, population in zip(groups, advantages, populations, strict=True):
+        flat = len(population) < 2 or max(population) - min(population) <= SPREAD_EPS * max(
+            1.0, _scale(population))
+        turn_returns_ = [g for s in group.samples for g, m in
+                         zip(s.info["token_returns"], s.loss_mask, strict=True) if m]
+        c = 1.0 / (_scale(population + turn_returns_) + eps) if algo.normalize_std else 1.0
         for s in group.samples:
-            episodes.setdefault(s.info["episode"], s.info["episode_return"])
-        keys = sorted(episodes)
-        returns = torch.tensor([[episodes[k] for k in keys]], dtype=torch.float32)
-        adv = dict(zip(keys, group_advantages(returns, algo)[0].tolist(), strict=True))
-        scale = 1.0
-        if algo.normalize_std and len(keys) > 1:
-            scale = 1.0 / (returns.std(unbiased=False).item() + eps)
-        for s in group.samples:
+            if flat:
+                out.append([0.0] * len(s.loss_mask))
+                continue
             base, g0 = adv[s.info["episode"]], s.info["episode_return"]
-            out.append([(base + (g - g0) * scale) if m else 0.0
+            out.append([(base + (g - g0) * c) if m else 0.0
                         for g, m in zip(s.info["token_returns"], s.loss_mask, strict=True)])
     return out

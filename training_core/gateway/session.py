@@ -35,6 +35,9 @@ class Segment:
     logprobs: list[float]
     versions: list[int]
     turns: list[int]  # the turn that sampled each token; NOT_A_TURN for prompt tokens
+    # The temperature each token was sampled at; 0.0: the run's (rollout.agent.sampling: pass
+    # lets an agent choose, and the trainer then uses the same one for that token).
+    temperatures: list[float] = field(default_factory=list)
 
     @classmethod
     def from_prompt(cls, ids: list[int]) -> Segment:
@@ -48,14 +51,18 @@ class Segment:
         self.logprobs += [0.0] * len(ids)
         self.versions += [PROMPT_VERSION] * len(ids)
         self.turns += [NOT_A_TURN] * len(ids)
+        self.temperatures += [0.0] * len(ids)
 
-    def add_output(self, resp: GenerationResponse, turn: int) -> None:
+    def add_output(self, resp: GenerationResponse, turn: int, *, trained: bool = True,
+                   temperature: float = 0.0) -> None:
+        """The turn's sampled tokens; ``trained`` False (a greedy turn) keeps them as context."""
         n = len(resp.output_ids)
         self.ids += resp.output_ids
-        self.mask += [1] * n
+        self.mask += [int(trained)] * n
         self.logprobs += list(resp.output_logprobs)
-        self.versions += list(resp.output_versions)
-        self.turns += [turn] * n
+        self.versions += list(resp.output_versions) if trained else [PROMPT_VERSION] * n
+        self.turns += [turn if trained else NOT_A_TURN] * n
+        self.temperatures += [temperature] * n
 
 
 class SessionFailed(RuntimeError):
@@ -79,10 +86,18 @@ class Session:
     forks: int = 0
     tool_calls: int = 0
     tool_parse_failures: int = 0
+    sampling_overrides: int = 0  # turns whose sampling fields the run overrode
+    rejected: int = 0  # requests refused without ending the episode (context, bad prompt)
     failure: str | None = None
     fatal: BaseException | None = None  # the servers failed: the run must fail, not the episode
     log: list[dict[str, Any]] = field(default_factory=list)  # turn by turn, for the viewer
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Responses API: response id -> the conversation up to and including that response, for
+    # previous_response_id (the last few only).
+    responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    completion_ids: list[str] = field(default_factory=list)  # every id this session answered
+    group: str = ""  # online mode: the group it belongs to
+    last_active: float = field(default_factory=time.monotonic)
 
     @classmethod
     def new(cls, limits: AgentLimits = AgentLimits(), item: dict[str, Any] | None = None) -> Session:
@@ -111,4 +126,6 @@ class Session:
     def metrics(self) -> dict[str, float]:
         return {"agent/turns": self.turns, "agent/segments": len(self.segments),
                 "agent/forks": self.forks, "agent/tool_calls": self.tool_calls,
-                "agent/tool_parse_failures": self.tool_parse_failures}
+                "agent/tool_parse_failures": self.tool_parse_failures,
+                "agent/sampling_overrides": self.sampling_overrides,
+                "agent/rejected_requests": self.rejected}

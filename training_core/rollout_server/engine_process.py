@@ -11,9 +11,11 @@ another, over ZMQ.
 The protocol over one multiprocessing pipe (pickled tuples):
 
     front end -> engine   ("generate", [(key, rid, input_ids, sampling), ...])
+                          ("generate", [(key, rid, input_ids, sampling, True)])  streamed
                           ("call", call_id, name, kwargs)       one of _EngineHost.CALLS
     engine -> front end   ("ready", info) | ("failed", message)  once, at start
                           ("results", [(key, response), ...])    finished requests, batched
+                          ("progress", key, tokens, logprobs)      a streamed request's new ones
                           ("reply", call_id, ok, value)           a call's value, or its error
 
 The engine process reads the pipe on its main thread (blocked in ``recv``, off the GIL) and runs
@@ -102,6 +104,19 @@ class _PipeFuture:
         self.link.result(self.key, EngineError(f"{type(exc).__name__}: {exc}"))
 
 
+def streamer(link: _Link, key: int):
+    """A streamed request's progress hook: its new tokens since the last call, over the pipe."""
+    sent = [0]
+
+    def progress(seq: Seq) -> None:
+        n = len(seq.output)
+        if n > sent[0]:
+            link.send(("progress", key, seq.output[sent[0]:n], seq.logprobs[sent[0]:n]))
+            sent[0] = n
+
+    return progress
+
+
 class _PipeLoop:
     """What the engine calls a request's event loop: the engine hands it the callback that sets
     the futures of the requests that just finished; run at once, one message for all of them."""
@@ -119,7 +134,7 @@ class _EngineHost:
 
     CALLS = ("pause", "resume", "update_weights_from_disk", "init_weights_update_group",
              "update_weights_from_distributed", "destroy_weights_update_group",
-             "get_weights_by_name", "stats")
+             "get_weights_by_name", "stats", "abort_request", "flush_cache")
 
     def __init__(self, engine: GenerationEngine, link: _Link):
         self.engine, self.link = engine, link
@@ -132,15 +147,16 @@ class _EngineHost:
                 "architectures": getattr(e.model.config, "architectures", None),
                 "bos_token_id": e.tokenizer.bos_token_id}
 
-    def generate(self, rows: list[tuple[int, str, list[int], dict[str, Any]]]) -> None:
+    def generate(self, rows: list[tuple]) -> None:
         e = self.engine
         with self.link.batch():  # the requests answered at once (below) go back together
-            for key, rid, input_ids, sp in rows:
+            for key, rid, input_ids, sp, *streamed in rows:
                 seq = Seq(
                     rid=rid, prompt=list(input_ids), max_new_tokens=sp["max_new_tokens"],
                     temperature=sp["temperature"], top_p=sp["top_p"], top_k=sp["top_k"],
                     stop_ids=set(sp["stop_token_ids"] or []), ignore_eos=sp["ignore_eos"],
-                    future=_PipeFuture(self.link, key), loop=self.loop, version=e.weight_version)
+                    future=_PipeFuture(self.link, key), loop=self.loop, version=e.weight_version,
+                    progress=streamer(self.link, key) if streamed and streamed[0] else None)
                 problem = context_problem(len(input_ids), sp["max_new_tokens"], e.context_len)
                 if problem is not None:
                     # The front end refuses these with a 400 (server.py); one that reaches the
@@ -210,6 +226,12 @@ class _EngineHost:
     def _stats(self) -> dict[str, Any]:
         return {**self.engine.stats(), "model_path": self.engine.model_path}
 
+    def _abort_request(self, rid: str) -> None:
+        self.engine.abort_request(rid)
+
+    def _flush_cache(self) -> None:
+        self.engine.flush_cache()
+
 
 def _serve(conn: Connection, other_end: Connection, threads: int,
            engine_kwargs: dict[str, Any]) -> None:
@@ -269,6 +291,7 @@ class EngineProcess:
         self.info: dict[str, Any] = message[1]
         self._keys = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
+        self._streams: dict[int, asyncio.Queue] = {}  # streamed requests' progress
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def _recv_start(self) -> tuple:
@@ -294,6 +317,30 @@ class EngineProcess:
             self._pending[key] = futures[-1]
         self._send(("generate", [(k, *row) for k, row in zip(keys, rows, strict=True)]))
         return list(await asyncio.gather(*futures))
+
+    async def generate_stream(self, rid: str, input_ids: list[int], sampling: dict[str, Any]):
+        """One request, streamed: yields ``(tokens, logprobs)`` of each step's new tokens, then
+        SGLang's response item (a dict) once it finished."""
+        loop = self._attach()
+        key = next(self._keys)
+        self._pending[key] = future = loop.create_future()
+        self._streams[key] = queue = asyncio.Queue()
+        self._send(("generate", [(key, rid, input_ids, sampling, True)]))
+        try:
+            while True:
+                waiter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({waiter, future}, return_when=asyncio.FIRST_COMPLETED)
+                if waiter in done:
+                    yield waiter.result()
+                    continue
+                waiter.cancel()
+                while not queue.empty():  # what came in before the end
+                    yield queue.get_nowait()
+                yield await future
+                return
+        finally:
+            self._streams.pop(key, None)
+            self._pending.pop(key, None)
 
     async def call(self, op: str, /, **kwargs: Any) -> Any:
         """Run one of the engine's calls (``_EngineHost.CALLS``) and return its value."""
@@ -327,7 +374,11 @@ class EngineProcess:
             self._died(f"the engine process exited with code {self._process.exitcode}")
 
     def _dispatch(self, message: tuple) -> None:
-        if message[0] == "results":
+        if message[0] == "progress":
+            queue = self._streams.get(message[1])
+            if queue is not None:
+                queue.put_nowait((message[2], message[3]))
+        elif message[0] == "results":
             for key, value in message[1]:
                 self._settle(key, value, ok=not isinstance(value, EngineError))
         elif message[0] == "reply":

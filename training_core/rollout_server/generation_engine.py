@@ -58,7 +58,8 @@ from training_core.prefix_tree import layer_masks, sliding_window
 from training_core.rollout_server import cpu_kernels
 from training_core.rollout_server.fused_decode import FUSED_DECODE_ENV, FusedDecoder, supports
 from training_core.rollout_server.packed_linear import can_pack, pack_linears, repack
-from training_core.rollout_server.prefill import forest_prefill
+from training_core.rollout_server.prefix_cache import PrefixCache, row_kv
+from training_core.rollout_server.prefix_cache import prefill as prefix_prefill
 from training_core.rollout_server.slot_cache import ATTENTION, SlotCache
 from training_core.transport import weight_files
 
@@ -91,6 +92,9 @@ class Seq:
     # (version before an update, tokens it had made): SGLang's weight-version events, recorded
     # when weights change under a request paused in place
     version_events: list[tuple[str, int]] = field(default_factory=list)
+    # Streamed requests (``stream: true``): called on the engine thread after each sampled token
+    # (agents see tokens as they are generated; streaming.py).
+    progress: Callable[[Seq], None] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -142,6 +146,11 @@ class GenerationEngine:
         self._stop = False
         self._last_arrival = 0.0
         self.threads = torch.get_num_threads()  # what the engine thread decodes with
+        # Finished requests' keys and values for the next request that extends them (an agent's
+        # next turn prefills its new tokens only; prefix_cache.py), and requests to abort one by
+        # one (a streamed request whose client went away: SGLang's /abort_request).
+        self.prefix_cache = PrefixCache()
+        self._abort_rids: set[str] = set()
         self.busy_s = 0.0  # time spent prefilling and decoding (the rollout profile's busy share)
         self.prefill_s = 0.0  # the prefill part of it (re-prefills after an abort land here)
         self.tokens_generated = 0
@@ -298,7 +307,21 @@ class GenerationEngine:
                     "paused": self._paused, "tokens_generated": self.tokens_generated,
                     "steps": self.steps, "weight_version": self.weight_version,
                     "threads": self.threads, "busy_s": self.busy_s, "prefill_s": self.prefill_s,
-                    "dtype": self.dtype}
+                    "dtype": self.dtype,
+                    "prefill_tokens": self.prefix_cache.computed_tokens,
+                    "cached_tokens": self.prefix_cache.cached_tokens,
+                    "prefix_cache_bytes": self.prefix_cache.bytes}
+
+    def abort_request(self, rid: str) -> None:
+        """Finish the request ``rid`` with what it has (finish reason ``abort``)."""
+        with self._cond:
+            self._abort_rids.add(rid)
+            gone = [s for s in self._waiting if s.rid == rid]
+            self._waiting = [s for s in self._waiting if s.rid != rid]
+        self._finish([(s, "abort") for s in gone])
+
+    def flush_cache(self) -> None:
+        self.prefix_cache.clear()
 
     def shutdown(self) -> None:
         with self._cond:
@@ -469,6 +492,7 @@ class GenerationEngine:
         if whole and self._held is not None:
             self._held.release()
         self._held = held if whole else weight_files.Held.merge(self._held, held)
+        self.prefix_cache.clear()  # keys and values of the old weights
         if req.version is not None and req.version != self.weight_version:
             for seq in self._active:  # paused in place: they go on under the new weights
                 if seq.output:
@@ -488,8 +512,8 @@ class GenerationEngine:
         # often the start of their answers. No padding is computed either.
         distinct: dict[tuple[int, ...], int] = {}
         owner = [distinct.setdefault(tuple(s.tokens), len(distinct)) for s in seqs]
-        layers_kv, mask, last_logits = forest_prefill(self.model, list(distinct), self.device,
-                                                      fused=self._fused)
+        layers_kv, mask, last_logits = prefix_prefill(self.model, list(distinct), self.device,
+                                                      self._fused, self.prefix_cache)
         if self._slots is None:
             keys = layers_kv[0][0]
             self._slots = SlotCache(len(layers_kv), keys.shape[1], keys.shape[3], keys.dtype,
@@ -528,6 +552,8 @@ class GenerationEngine:
         for s, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True):
             s.output.append(tok)
             s.logprobs.append(lp)
+            if s.progress is not None:
+                s.progress(s)
         # Tokens to feed at the next decode step: previous last tokens for the rows not sampled.
         if self._last is None or len(self._last) != len(self._active):
             last = torch.zeros(len(self._active), dtype=torch.long, device=self.device)
@@ -545,9 +571,18 @@ class GenerationEngine:
                 finished.append((s, {"type": "stop", "matched": tok}))
             elif len(s.output) >= s.max_new_tokens:
                 finished.append((s, "length"))
+            elif self._abort_rids and s.rid in self._abort_rids:
+                finished.append((s, "abort"))
             else:
                 keep.append(i)
         if finished:
+            self._abort_rids -= {s.rid for s, _ in finished}
+            if self.prefix_cache.enabled:  # their keys and values up to the last token fed
+                kept = set(keep)
+                for i, s in enumerate(self._active):
+                    if i not in kept:
+                        self.prefix_cache.store(s.tokens[:-1],
+                                                row_kv(self._slots, i, len(s.tokens) - 1))
             self._finish(finished)
         if len(keep) != len(self._active):
             if not keep:

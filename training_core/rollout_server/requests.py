@@ -208,3 +208,9 @@ class BeginWeightUpdateReqIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     selector: Literal["target", "draft", "all"] = "all"
+
+
+class AbortReqIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    rid: str

@@ -30,10 +30,12 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
+from training_core.rollout_server import streaming
 from training_core.rollout_server.engine_process import EngineProcess
 from training_core.rollout_server.requests import (
+    AbortReqIn,
     BeginWeightUpdateReqIn,
     DestroyWeightsUpdateGroupReqIn,
     GenerateReqIn,
@@ -85,8 +87,6 @@ def create_app(engine: EngineProcess, tokenizer: Any, *, key: str | None = None,
 
     @app.post("/generate")
     async def generate(body: GenerateReqIn):
-        if body.stream:
-            return _error(400, "stream: streaming is not supported by the embedded server")
         if (problem := body.unsupported_fields()) is not None:
             return _error(400, problem)
         ids = body.input_ids
@@ -116,6 +116,12 @@ def create_app(engine: EngineProcess, tokenizer: Any, *, key: str | None = None,
         rids = body.rid if isinstance(body.rid, list) else [
             f"{body.rid}-{i}" if body.rid and batch else body.rid for i in range(len(rows))]
         rids = [r or f"{uuid.uuid4().hex[:8]}-{next(counter)}" for r in rids]
+        if body.stream:  # streaming.py: events as the tokens are sampled
+            if batch:
+                return _error(400, "stream: one input per streamed request on the embedded server")
+            return StreamingResponse(streaming.events(engine, tokenizer, rids[0], rows[0],
+                                                      sampling[0]),
+                                     media_type="text/event-stream")
         out = await engine.generate(list(zip(rids, rows, sampling, strict=True)))
         # Already plain JSON types: a JSONResponse skips FastAPI's jsonable_encoder, which walked
         # every [logprob, token, None] triple in Python (42% of the front end's request handling
@@ -188,8 +194,14 @@ def create_app(engine: EngineProcess, tokenizer: Any, *, key: str | None = None,
         stats = await engine.call("stats")
         if stats["running"] or (stats["waiting"] and not stats["paused"]):
             return Response("Flush cache failed.\n", status_code=400)
+        await engine.call("flush_cache")  # the prefix cache (prefix_cache.py)
         return Response("Cache flushed.\nPlease check backend logs for more details. (When there "
                         "are running or waiting requests, the operation will not be performed.)\n")
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortReqIn):
+        await engine.call("abort_request", rid=body.rid)
+        return {"success": True}
 
     @app.post("/begin_weight_update")
     async def begin_weight_update(body: BeginWeightUpdateReqIn | None = None):

@@ -145,6 +145,11 @@ class DeepSpeedTrainer:
 
     def _forward_logprobs_as_is(self, net: torch.nn.Module, mb: TrainBatch) -> torch.Tensor:
         # One forward per micro-batch either way (under ZeRO-3 every forward is a collective).
+        if mb.temperatures is not None:  # per token (an agent's own): rows whole, each token
+            temps = mb.temperatures.to(self.device)  # at the temperature it was sampled at
+            temps = torch.where(temps > 0, temps, torch.full_like(temps, self.temperature))
+            return sequence_logprobs(net, mb.input_ids.to(self.device),
+                                     mb.attention_mask.to(self.device), temps[:, 1:, None])
         if self.share_prefixes:
             return prefix_tree_logprobs(net, mb.input_ids.to(self.device),
                                         mb.attention_mask.to(self.device), mb.versions,

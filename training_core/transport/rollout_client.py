@@ -54,9 +54,12 @@ from training_core.api import (
 from training_core.transport.http import DEAD_AFTER_S, aretrying, refused
 from training_core.transport.json_http import Connector, JsonHttpClient
 from training_core.transport.server_auth import server_key
+from training_core.transport.streaming import stream_generate
 from training_core.version import PolicyVersion
 
 log = logging.getLogger(__name__)
+
+MAX_ROUTES = 100_000  # sessions remembered for stickiness (the oldest forgotten first)
 
 
 class PromptTooLong(RequestRejected):
@@ -126,6 +129,7 @@ class RolloutClient:
         # routing read it; weight_sync.push_weights advances it.
         self.policy = version or PolicyVersion()
         self._json_clients: dict[int, JsonHttpClient] = {}  # one per event loop, see _request
+        self._routes: dict[str, _Server] = {}  # route key -> its server (GenerationRequest)
         self.interruptions = 0
         # An abort is an interruption only if this client paused the servers while the request
         # was in flight: ``_pauses`` counts pauses, ``_paused`` is true until generation continues.
@@ -147,13 +151,20 @@ class RolloutClient:
 
     # ---- HTTP plumbing ----------------------------------------------------------------------
 
-    def _pick(self) -> _Server | None:
+    def _pick(self, route_key: str | None = None) -> _Server | None:
         now = time.monotonic()
         open_ = [s for s in self.servers if not s.flush_pending]
         if not open_:
             return None  # every server drains its in-place requests before a cache flush
         alive = [s for s in open_ if s.down_until <= now] or open_
         current = [s for s in alive if not s.behind] or alive
+        if route_key is not None:  # a session sticks to its server (its prefix cache is there)
+            server = self._routes.get(route_key)
+            if server is None or server not in current:
+                server = self._routes[route_key] = min(current, key=lambda s: s.in_flight)
+                while len(self._routes) > MAX_ROUTES:
+                    self._routes.pop(next(iter(self._routes)))
+            return server
         return min(current, key=lambda s: s.in_flight)
 
     async def _request(self, server: _Server, method: str, path: str, payload: dict | None = None,
@@ -161,13 +172,8 @@ class RolloutClient:
         """Every call to a rollout server, generation and control, GET and POST, goes here, over
         json_http's lean keep-alive client (httpx costs the trainer's thread GIL time, see
         json_http). One client per event loop: the executor's loop and short control loops."""
-        key = id(asyncio.get_running_loop())
-        client = self._json_clients.get(key)
-        if client is None or client.closed:
-            client = self._json_clients[key] = JsonHttpClient(
-                timeout_s=self.timeout_s, connect=self._connect, bearer=self.api_key)
-        status, body = await client.request(method, server.url + path, payload,
-                                            timeout_s=timeout_s)
+        status, body = await self._json_client().request(method, server.url + path, payload,
+                                                          timeout_s=timeout_s)
         if status >= 400:
             raise RolloutServerError(
                 f"{server.url}{path} -> {status}: {body[:300].decode(errors='replace')}",
@@ -178,13 +184,23 @@ class RolloutClient:
             raise RolloutServerError(f"{server.url}{path} -> {status}: not JSON: "
                                      f"{body[:300].decode(errors='replace')}", status=status) from None
 
+    def _json_client(self) -> JsonHttpClient:
+        """This event loop's connection pool (streams belong to the loop that opened them)."""
+        key = id(asyncio.get_running_loop())
+        client = self._json_clients.get(key)
+        if client is None or client.closed:
+            client = self._json_clients[key] = JsonHttpClient(
+                timeout_s=self.timeout_s, connect=self._connect, bearer=self.api_key)
+        return client
+
     async def _post(self, server: _Server, path: str, payload: dict | None = None) -> Any:
         return await self._request(server, "POST", path, payload or {})
 
     async def _get(self, server: _Server, path: str) -> Any:
         return await self._request(server, "GET", path, timeout_s=10.0)
 
-    async def _generate_once(self, payload: dict, weight: int = 1) -> dict | list:
+    async def _generate_once(self, payload: dict, weight: int = 1,
+                             route_key: str | None = None) -> dict | list:
         """POST /generate on the least-loaded healthy server; connection errors and 5xx move to
         another server and retry (the shared policy, training_core.transport.http) until ``retries``
         attempts and ``retry_window_s`` are both spent (a restarted server comes back within
@@ -195,10 +211,10 @@ class RolloutClient:
                                            retry_on=(httpx.TransportError, RolloutServerError),
                                            dead_after_s=self.dead_after_s):
                 with attempt:
-                    server = self._pick()
+                    server = self._pick(route_key)
                     while server is None:
                         await asyncio.sleep(0.01)
-                        server = self._pick()
+                        server = self._pick(route_key)
                     return await self._generate_on(server, payload, weight)
         except (httpx.TransportError, RolloutServerError) as exc:
             if refused(exc):  # [issue 47] name the dead server(s), not a generic failure
@@ -238,9 +254,7 @@ class RolloutClient:
         """SGLang's ``/flush_cache`` once the requests paused in place have drained (it flushes
         only an idle server, and answers in plain text); new requests go to it again after."""
         try:
-            key = id(asyncio.get_running_loop())
-            client = self._json_clients[key]
-            status, body = await client.request("POST", server.url + "/flush_cache", {})
+            status, body = await self._json_client().request("POST", server.url + "/flush_cache", {})
             if status != 200:
                 log.warning("%s/flush_cache -> %d: %s", server.url, status, body[:200])
         except (httpx.HTTPError, OSError) as exc:
@@ -257,6 +271,11 @@ class RolloutClient:
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResponse:
         return (await self.agenerate_group(request, 1))[0]
+
+    def agenerate_stream(self, request: GenerationRequest) -> AsyncIterator[GenerationResponse]:
+        """Partial responses as the tokens are sampled; the last is complete
+        (transport/streaming.py)."""
+        return stream_generate(self, request)
 
     async def agenerate_group(self, request: GenerationRequest, n: int) -> list[GenerationResponse]:
         """``n`` samples of one prompt. The first round is one batched HTTP call (SGLang takes a
@@ -328,7 +347,8 @@ class RolloutClient:
     async def _round(self, request: GenerationRequest, states: list[_Partial]) -> None:
         version_at_submit = self.policy.current
         pauses_at_submit = self._pauses
-        result = await self._generate_once(self._payload(request, states), weight=len(states))
+        result = await self._generate_once(self._payload(request, states), weight=len(states),
+                                           route_key=request.route_key)
         results = result if isinstance(result, list) else [result]
         if len(results) != len(states):
             raise RolloutServerError(f"asked for {len(states)} samples, got {len(results)}")

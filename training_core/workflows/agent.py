@@ -36,12 +36,13 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from training_core.api import EpisodeError, InferenceEngine, TrajectoryGroup
 from training_core.gateway.chat import ChatRenderer
-from training_core.gateway.credit import BadReward, episode_trajectories
+from training_core.gateway.credit import BadReward, episode_trajectories, turn_returns
 from training_core.gateway.server import Gateway
 from training_core.gateway.session import AgentLimits, Session
 from training_core.jail import FILES_DIR, PROTOCOL_PRELUDE, Limits, python, spawn
@@ -52,6 +53,7 @@ from training_core.workflows.base import WorkflowContext
 log = logging.getLogger(__name__)
 
 SOCKET = "gw.sock"
+EVAL_CONCURRENCY = 8  # agent episodes of one evaluation at once (each is a jail)
 ANSWER_BYTES = 64 * 1024
 
 # Runs in the jail. The protocol is one JSON line each way on the original stdout; the agent's
@@ -149,15 +151,19 @@ def agent_source(target: str) -> tuple[str, str]:
                      "importable module, or a .py path relative to the working directory)")
 
 
+SUMMED = ("agent/tool_parse_failures", "agent/retries", "agent/sampling_overrides",
+          "agent/rejected_requests")
+
+
 def agent_metrics(samples: list[Any]) -> dict[str, float]:
     """Means of the ``agent/*`` numbers over the batch's episodes (kept on each episode's first
-    segment); tool-parse failures and retries summed."""
+    segment); tool-parse failures, retries, overridden and rejected requests summed."""
     firsts = [s.info for s in samples if s.info.get("segment") == 0 and "episode" in s.info]
     keys = sorted({k for info in firsts for k in info if k.startswith("agent/")})
     out = {}
     for k in keys:
         values = [float(info.get(k, 0)) for info in firsts]
-        total = k in ("agent/tool_parse_failures", "agent/retries")
+        total = k in SUMMED
         out[k] = sum(values) if total else sum(values) / len(values)
     return out
 
@@ -173,17 +179,42 @@ class AgentWorkflow:
             timeout_s=getattr(settings, "timeout_s", AgentLimits.timeout_s))
         self.discount = getattr(settings, "discount", 1.0)
         self.retries = getattr(settings, "retries", 1)
+        self.policy = getattr(settings, "sampling", "override")
         self.renderer = ChatRenderer(ctx.tokenizer, getattr(settings, "tool_format", "auto"))
         self.jail_limits = Limits(memory_mb=getattr(settings, "memory_mb", 2048),
                                   jail_memory_mb=getattr(settings, "memory_mb", 2048))
         self.gateway: Gateway | None = None
         # The agent's returns are held to the run's reward bound (reward.max_abs).
         self.max_abs = getattr(ctx.rewards, "max_abs", REWARD_MAX_ABS)
+        self.eval_gateway: Gateway | None = None
+        self._evaluating = asyncio.Semaphore(EVAL_CONCURRENCY)
 
     def _gateway(self, engine: InferenceEngine) -> Gateway:
         if self.gateway is None or self.gateway.engine is not engine:
-            self.gateway = Gateway(engine, self.renderer, self.ctx.sampling)
+            self.gateway = Gateway(engine, self.renderer, self.ctx.sampling, policy=self.policy)
         return self.gateway
+
+    async def aevaluate(self, engine: InferenceEngine, item: dict[str, Any]) -> float:
+        """One greedy episode (the evaluation gateway samples greedily whatever the agent asks
+        for) and its reward: the agent's float, or its per-completion rewards summed. A failed
+        episode raises :class:`EpisodeError` (evaluation scores it 0 and counts it)."""
+        if self.eval_gateway is None or self.eval_gateway.engine is not engine:
+            self.eval_gateway = Gateway(engine, self.renderer,
+                                        replace(self.ctx.sampling, greedy=True), policy="override")
+        gateway = self.eval_gateway
+        async with self._evaluating:  # a jail per episode: not every eval row at once
+            session = gateway.open_session(self.limits, item)
+            try:
+                result = await self._run_jailed(gateway, session, item)
+                if session.fatal is not None:
+                    raise session.fatal
+                if session.failure is not None:
+                    raise AgentFailed(session.failure)
+                return turn_returns(result, session.turns, 1.0)[0] if session.turns else 0.0
+            except (AgentFailed, BadReward) as exc:
+                raise EpisodeError(f"agent evaluation episode failed: {exc}") from None
+            finally:
+                await gateway.close_session(session)
 
     async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> TrajectoryGroup | None:
         gateway = self._gateway(engine)

@@ -31,6 +31,10 @@ class WorkflowContext:
     max_turns: int = 2
     turn_discount: float = 0.9
     agent: Any = None  # rollout.agent (config.AgentSpec): the agent workflow's limits and credit
+    # ``async (engine, item) -> reward``: how evaluation scores a row when the workflow has its
+    # own episodes (agents: a greedy episode through the gateway); None: a greedy completion of
+    # the rendered prompt, scored by the run's reward.
+    evaluate_episode: Any = None
 
     def render_prompt(self, item: dict[str, Any]) -> list[int]:
         return render_prompt(self.tokenizer, item, self.prompt_template, self.chat_template)

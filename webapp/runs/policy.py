@@ -14,7 +14,10 @@ from webapp.core.errors import ApplicationError
 REGISTERED_MODELS = ("tiny", "smollm2")  # training_core.models.paths builds these locally
 # Fields only an administrator may change from their default.
 ADMIN_FIELDS = ("orchestration.provider", "orchestration.terraform_vars", "rollout.server_urls",
-                "reward.remote_backend", "run_dir")
+                "reward.remote_backend", "run_dir",
+                # where the online gateway listens and how it is reached: the network's business
+                "rollout.agent.gateway_host", "rollout.agent.gateway_port",
+                "rollout.agent.public_url")
 
 
 # Every member-settable number that costs memory, CPU, disk or time has a bound (issue 47: quotas

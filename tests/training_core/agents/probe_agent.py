@@ -66,3 +66,13 @@ class Looper:
         client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
         while True:
             client.chat.completions.create(model="any", messages=[{"role": "user", "content": "x"}])
+
+
+def solved(base_url, api_key, item):
+    """Two turns and every episode succeeds: a task with no signal (the group is uniform)."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": item["question"]}]
+    for _ in range(2):
+        msg = client.chat.completions.create(model="any", messages=messages).choices[0].message
+        messages += [msg.model_dump(exclude_none=True), {"role": "user", "content": "ok"}]
+    return 1.0
