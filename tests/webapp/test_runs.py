@@ -163,3 +163,20 @@ def test_resume_a_failed_or_cancelled_run_as_a_new_attempt(api, run, django_capt
     run_status_set(run=run, status="running")
     run_status_set(run=run, status="succeeded")
     assert api.post(f"/api/runs/{run.id}/resume/").status_code == 409
+
+
+def test_the_web_app_reads_a_fields_default_from_the_schema_not_its_own(run):
+    """A stored spec without rollout.max_staleness (an older run, a hand-made row) read 0 in the
+    dashboard and the "compare with synchronous" sweep, while the trainer ran it at the schema's
+    default 1."""
+    from training_core.config import RunSpec
+    from webapp.runs.selectors import run_spec_resolved
+    from webapp.sweeps.services import sweep_against_synchronous
+
+    del run.spec["rollout"]["max_staleness"]
+    run.save(update_fields=["spec"])
+    default = RunSpec().rollout.max_staleness
+    assert default == 1 and run_spec_resolved(run=run).rollout.max_staleness == default
+    sweep = sweep_against_synchronous(run=run, user=run.created_by)
+    values = sorted(r.spec["rollout"]["max_staleness"] for r in sweep.runs.all())
+    assert values == [0, default]

@@ -52,6 +52,7 @@ from webapp.runs.selectors import (
     run_list,
     run_spec_fields,
     run_spec_overrides,
+    run_spec_resolved,
     runs_get,
 )
 from webapp.runs.services import run_cancel, run_create, run_resume
@@ -96,7 +97,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "page_config": {"page": "run", "run_id": run.id, "groups": groups, "live": live,
                         "buckets": RUN_BUCKETS},
         "raw_metrics": latest_metric_rows(run=run),
-        "eta": (run.spec.get("rollout") or {}).get("max_staleness", 0),
+        "eta": run_spec_resolved(run=run).rollout.max_staleness,
         "steps": trajectory_steps(run=run),
         "checkpoints": checkpoint_list(run=run),
         "gateway": run_gateway(run=run),

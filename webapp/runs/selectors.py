@@ -121,6 +121,14 @@ SECTION_TITLES = {
 SWEEPABLE_KINDS = ("integer", "number", "boolean", "choice")
 
 
+def run_spec_resolved(*, run: Run):
+    """The run's spec with every default filled in by the schema (training_core.config), never
+    a default of the web app's own: a field the stored spec lacks reads as the trainer reads it."""
+    from training_core.config import spec_from_dict
+
+    return spec_from_dict(run.spec)
+
+
 def run_spec_overrides(*, run: Run) -> dict[str, Any]:
     """What a user would write to get this run's configuration again: its resolved spec less the
     defaults and the fields the platform sets (a clone's starting point)."""

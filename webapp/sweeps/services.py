@@ -14,7 +14,7 @@ from webapp.core.errors import ApplicationError
 from webapp.datasets.models import DatasetVersion
 from webapp.rewards.models import RewardFunctionVersion
 from webapp.runs.models import Run
-from webapp.runs.selectors import PLATFORM_FIELDS, run_spec_overrides
+from webapp.runs.selectors import PLATFORM_FIELDS, run_spec_overrides, run_spec_resolved
 from webapp.runs.services import run_create, run_spec_validate
 from webapp.sweeps.models import Sweep
 
@@ -130,7 +130,7 @@ def sweep_create_from_run(*, run: Run, user, axes: Any, name: str | None = None)
 def sweep_against_synchronous(*, run: Run, user) -> Sweep:
     """"Compare with synchronous": this configuration at its staleness bound and at 0 (or, for
     a synchronous run, at 2), as two fresh runs of one sweep."""
-    eta = (run.spec.get("rollout") or {}).get("max_staleness", 0)
+    eta = run_spec_resolved(run=run).rollout.max_staleness
     values = [eta, 0] if eta else [0, 2]
     return sweep_create_from_run(run=run, user=user, name=f"{run.name}: async vs sync"[:100],
                                  axes=[{"field": "rollout.max_staleness", "values": values}])
