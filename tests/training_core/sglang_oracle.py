@@ -87,6 +87,34 @@ class Release:
         sp.verify(vocab_size=1 << 20)
         return sp
 
+    def admitted(self, prompt_tokens: int, max_new_tokens: int, context_len: int) -> int | str:
+        """What SGLang runs a request with, or its refusal: the tokenizer manager's length
+        check, then the scheduler's (``validate_input_length``, then
+        ``Scheduler.init_req_max_new_tokens``), each its own code, on a server whose context is
+        ``context_len`` and whose KV pool is larger (max_req_input_len = context - 6)."""
+        refused = self.length_error(prompt_tokens, max_new_tokens, context_len)
+        if refused is not None:
+            return refused
+        max_req_len = context_len - 1
+        req = types.SimpleNamespace(
+            origin_input_ids=list(range(prompt_tokens)), rid="r",
+            sampling_params=types.SimpleNamespace(max_new_tokens=max_new_tokens, min_new_tokens=0))
+        logger = types.SimpleNamespace(warning=print, error=print)
+        validate = _compiled(self.root, "srt/managers/utils.py", "validate_input_length",
+                             {"logger": logger, "Req": Any, "Optional": Any})
+        error = validate(req, max_req_len - 5, False)
+        if error:
+            return error
+        pool = types.SimpleNamespace(max_new_tokens_for_memory=lambda n, m, **kw: m)
+        scheduler = types.SimpleNamespace(
+            max_new_tokens_limit=None, max_req_len=max_req_len, max_total_num_tokens=1 << 40,
+            kv_shard_widening=1, page_size=1, token_to_kv_pool_allocator=pool,
+            sliding_window_size=None, chunked_prefill_size=None)
+        init = _compiled(self.root, "srt/managers/scheduler.py", "init_req_max_new_tokens",
+                         {"logger": logger})
+        init(scheduler, req)
+        return req.sampling_params.max_new_tokens
+
     def length_error(self, prompt_tokens: int, max_new_tokens: int | None,
                      context_len: int) -> str | None:
         """``TokenizerManager._validate_one_request``'s length checks, its own code, on a
@@ -124,17 +152,22 @@ class _PastTheLengthChecks(Exception):
     """Raised by the stand-ins the checks after the length checks reach: the request fit."""
 
 
+def _compiled(root: Path, relative: str, name: str, namespace: dict[str, Any]):
+    """Function ``name`` of the release's file, its own source compiled alone, with
+    ``namespace`` standing in for the module's other names (the module itself imports CUDA)."""
+    source = (root / "sglang" / relative).read_text()
+    node = next(n for n in ast.walk(ast.parse(source))
+                if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name)
+    code = textwrap.dedent(ast.get_source_segment(source, node))
+    scope = dict(namespace)
+    exec(compile("from __future__ import annotations\n" + code, relative, "exec"), scope)
+    return scope[name]
+
+
 @cache
 def _validate_one_request(root: Path):
     """The method's own source, compiled with stand-ins for the names it reads besides the
     manager (the execution-feature flags; the request classes after the length checks)."""
-    source = (root / "sglang/srt/managers/tokenizer_manager.py").read_text()
-    tree = ast.parse(source)
-    node = next(n for n in ast.walk(tree)
-                if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
-                and n.name == "_validate_one_request")
-    node.decorator_list = []
-    code = textwrap.dedent(ast.get_source_segment(source, node))
 
     class Past:
         def __instancecheck__(self, obj):
@@ -145,6 +178,4 @@ def _validate_one_request(root: Path):
     namespace = {"get_exec": lambda: features, "logger": types.SimpleNamespace(warning=print),
                  "GenerateReqInput": Past(), "EmbeddingReqInput": Past(),
                  "Union": Any, "List": list, "Optional": Any}
-    exec(compile("from __future__ import annotations\n" + code, "tokenizer_manager.py", "exec"),
-         namespace)
-    return namespace["_validate_one_request"]
+    return _compiled(root, "srt/managers/tokenizer_manager.py", "_validate_one_request", namespace)

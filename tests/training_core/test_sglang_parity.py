@@ -81,18 +81,25 @@ def test_a_temperature_below_the_releases_epsilon_is_greedy(server, release):
     assert tiny["meta_info"]["output_token_logprobs"] == greedy["meta_info"]["output_token_logprobs"]
 
 
-def test_a_request_over_the_context_is_a_400_with_the_releases_words_never_trimmed(server, release):
-    context = httpx.get(server + "/server_info", timeout=30).json()["context_length"]
-    cases = [(context - 4, 4), (context - 4, 5), (context, 1), (context + 3, 0)]
+def test_a_request_over_the_context_is_what_the_release_makes_of_it(server, release):
+    """A 400 in SGLang's words, or the budget SGLang's scheduler runs it with (the prompt is never
+    trimmed): the tokenizer manager's checks, then the scheduler's, each its own code."""
+    info = httpx.get(server + "/server_info", timeout=30).json()
+    context = info["context_length"]
+    assert info["max_req_input_len"] == context - 6  # what SGLang reports, and the client reads
+    cases = [(context - 12, 6), (context - 12, 10), (context - 12, 11), (context - 6, 1),
+             (context - 4, 4), (context - 4, 5), (context, 1), (context + 3, 0)]
     for prompt, new in cases:
-        expected = release.length_error(prompt, new, context)
+        expected = release.admitted(prompt, new, context)
         resp = _post(server, {"input_ids": [5] * prompt, "sampling_params": {
             "max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}})
-        if expected is None:
-            assert resp.status_code == 200 and len(resp.json()["output_ids"]) == new
+        if isinstance(expected, int):
+            assert resp.status_code == 200, (prompt, new, resp.text)
+            assert len(resp.json()["output_ids"]) == expected
         else:
             assert resp.status_code == 400, (prompt, new)
             assert resp.json()["error"]["message"] == expected
+    assert release.admitted(context - 12, 11, context) == 10  # the release cuts this one
 
 
 def test_ignore_eos_turns_off_stop_token_ids_too(server):
@@ -223,3 +230,27 @@ def test_the_release_rules_tables_match_its_sampling_fields(release):
     ours = ({"text", "input_ids", "sampling_params", "return_logprob", "rid", "stream"}
             | rules.UNSUPPORTED_GENERATE_DEFAULTS.keys() | rules.IGNORED_GENERATE_FIELDS)
     assert ours == generate_fields
+
+
+def test_distributed_weights_load_only_inside_a_session_and_a_stale_one_is_closed(server):
+    """0.5.23 refuses /update_weights_from_distributed outside begin/end (so a client that does
+    not bracket a push gets nothing loaded); a session a dead trainer left open is closed by the
+    next trainer's begin instead of failing every push."""
+    from training_core.transport.rollout_client import RolloutClient
+
+    outside = httpx.post(server + "/update_weights_from_distributed", timeout=30, json={
+        "names": ["x"], "dtypes": ["float32"], "shapes": [[1]]})
+    assert outside.status_code == 400 and "between begin_weight_update()" in outside.text
+    assert httpx.post(server + "/begin_weight_update", json={}, timeout=30).status_code == 200
+
+    async def go() -> None:
+        client = RolloutClient([server])
+        try:
+            async with client.weight_update_session():
+                again = httpx.post(server + "/begin_weight_update", json={}, timeout=30)
+                assert again.status_code == 400  # open: this trainer's session
+        finally:
+            await client.aclose()
+
+    asyncio.run(go())
+    assert httpx.post(server + "/end_weight_update", json={}, timeout=30).status_code == 400

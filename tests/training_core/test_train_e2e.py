@@ -219,7 +219,7 @@ def test_a_prompt_longer_than_the_context_fails_its_episode_and_the_run_complete
     assert result.last_step == 12
     events = [json.loads(line) for line in (result.run_dir / "events.jsonl").open()]
     failed = [e for e in events if e["kind"] == "episode_failed"]
-    assert failed and "leaves no room in the servers' context of 512" in failed[0]["message"]
+    assert failed and "max_req_input_len is 506" in failed[0]["message"]
     assert sum(r.get("rollout/episode_errors", 0) for r in read_metrics(result.run_dir)) >= 1
 
 

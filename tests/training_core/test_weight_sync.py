@@ -92,9 +92,10 @@ def test_a_push_without_a_group_fails_with_the_servers_reason(two_servers):
     async def go():
         client = RolloutClient(two_servers[:1])
         try:
-            await client.update_weights_from_distributed(
-                names=["model.norm.weight"], dtypes=["float32"], shapes=[[4]],
-                group_name="never-made", version=1, flush_cache=True)
+            async with client.weight_update_session():  # as 0.5.23 wants a distributed load
+                await client.update_weights_from_distributed(
+                    names=["model.norm.weight"], dtypes=["float32"], shapes=[[4]],
+                    group_name="never-made", version=1, flush_cache=True)
         finally:
             await client.aclose()
 

@@ -13,9 +13,11 @@ release's own code against these functions):
 - ``SamplingParams.__post_init__`` and ``verify`` (``srt/sampling/sampling_params.py``):
   ``0 <= temperature < 1e-6`` is greedy (SGLang sets temperature 1 and top_k 1), ``top_k`` -1 or
   SGLang's TOP_K_ALL is the whole vocabulary, and the range checks with SGLang's own messages;
-- the length check (``TokenizerManager._validate_one_request``, auto-truncation off): a prompt
-  at or over the context, or prompt + ``max_new_tokens`` over it, is a 400 with SGLang's words,
-  never trimmed.
+- the length checks: the tokenizer manager's (``_validate_one_request``, auto-truncation off: a
+  prompt at or over the context, or prompt + ``max_new_tokens`` over it, a 400) then the
+  scheduler's (``validate_input_length``: a prompt at or over ``max_req_input_len`` = context - 6,
+  a 400; ``init_req_max_new_tokens``: ``max_new_tokens`` cut to context - 2 - prompt), with
+  SGLang's words; the prompt is never trimmed.
 """
 
 from __future__ import annotations
@@ -138,9 +140,29 @@ class GenerateReqIn(BaseModel):
                 "would be ignored and the answer would not be what was asked)")
 
 
+def max_req_input_len(context_len: int) -> int:
+    """SGLang's scheduler bound on a prompt (tp_worker: ``min(context - 1, kv pool - 1) - 5``;
+    the embedded server's cache grows as needed, so the context decides). /server_info reports
+    it, and the client's length rule reads it."""
+    return context_len - 1 - 5
+
+
+def admit(prompt_tokens: int, max_new_tokens: int | None, context_len: int) -> int | str:
+    """The ``max_new_tokens`` a request runs with, or SGLang's refusal (a 400) in its words."""
+    problem = context_problem(prompt_tokens, max_new_tokens, context_len)
+    if problem is not None:
+        return problem
+    limit = max_req_input_len(context_len)
+    if prompt_tokens >= limit:
+        return (f"Input length ({prompt_tokens} tokens) exceeds the maximum allowed length "
+                f"({limit} tokens). Use a shorter input or enable --allow-auto-truncate.")
+    wanted = (1 << 30) if max_new_tokens is None else max_new_tokens
+    return max(0, min(wanted, context_len - 1 - prompt_tokens - 1))
+
+
 def context_problem(prompt_tokens: int, max_new_tokens: int | None, context_len: int) -> str | None:
-    """SGLang 0.5.23's length check (TokenizerManager._validate_one_request, auto-truncation
-    off, its default), with its own words; None when the request fits."""
+    """SGLang 0.5.23's tokenizer-manager length check (TokenizerManager._validate_one_request,
+    auto-truncation off, its default), with its own words; None when the request fits."""
     if prompt_tokens >= context_len:
         return (f"The input ({prompt_tokens} tokens) is longer than the model's context length "
                 f"({context_len} tokens).")

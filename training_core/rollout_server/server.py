@@ -45,7 +45,8 @@ from training_core.rollout_server.requests import (
     SamplingParamsIn,
     UpdateWeightFromDiskReqIn,
     UpdateWeightsFromDistributedReqIn,
-    context_problem,
+    admit,
+    max_req_input_len,
 )
 from training_core.transport.server_auth import server_key
 
@@ -81,9 +82,11 @@ def create_app(engine: EngineProcess, tokenizer: Any, *, key: str | None = None,
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
+        # SGLang answers a body its models refuse with a 400 (its own handler), in this shape.
         first = exc.errors()[0]
         field_name = ".".join(str(p) for p in first["loc"] if p != "body")
-        return _error(422, f"{field_name}: {first['msg']}")
+        return JSONResponse({"object": "error", "message": f"{field_name}: {first['msg']}",
+                             "type": "Bad Request", "param": None, "code": 400}, status_code=400)
 
     @app.post("/generate")
     async def generate(body: GenerateReqIn):
@@ -109,10 +112,10 @@ def create_app(engine: EngineProcess, tokenizer: Any, *, key: str | None = None,
                 return _error(400, problem)
         sampling = [p.engine_params() for p in params]
         for row, sp_row in zip(rows, sampling, strict=True):
-            problem = context_problem(len(row), sp_row["max_new_tokens"],
-                                      engine.info["context_len"])
-            if problem is not None:
-                return _error(400, problem)
+            budget = admit(len(row), sp_row["max_new_tokens"], engine.info["context_len"])
+            if isinstance(budget, str):
+                return _error(400, budget)
+            sp_row["max_new_tokens"] = budget  # SGLang's scheduler cuts it as well
         rids = body.rid if isinstance(body.rid, list) else [
             f"{body.rid}-{i}" if body.rid and batch else body.rid for i in range(len(rows))]
         rids = [r or f"{uuid.uuid4().hex[:8]}-{next(counter)}" for r in rids]
@@ -162,6 +165,10 @@ def create_app(engine: EngineProcess, tokenizer: Any, *, key: str | None = None,
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(body: UpdateWeightsFromDistributedReqIn):
+        if not bracket["open"]:  # 0.5.23 loads distributed weights only inside a session
+            return JSONResponse({"success": False, "message": "update_weights_from_distributed "
+                                 "must run between begin_weight_update() and end_weight_update()"},
+                                status_code=400)
         if not len(body.names) == len(body.dtypes) == len(body.shapes):
             return _error(400, "names, dtypes and shapes must have the same length")
         if body.load_format not in (None, "flattened_bucket"):
@@ -248,6 +255,7 @@ def create_app(engine: EngineProcess, tokenizer: Any, *, key: str | None = None,
         stats = await engine.call("stats")
         stats.pop("model_path")
         return {"version": "oolong-embedded", "context_length": engine.info["context_len"],
+                "max_req_input_len": max_req_input_len(engine.info["context_len"]),
                 "tp_size": 1, **stats}
 
     return app

@@ -123,7 +123,7 @@ class RolloutClient:
         self._connect = connect  # tests connect the client to a scripted server here
         self.api_key = api_key if api_key is not None else server_key()
         self.flush_after_in_place = flush_after_in_place and pause_mode == "in_place"
-        self._context_len: int | None = None  # the servers' context (least of them), read once
+        self._context_len: int | None = None  # the servers' max_req_input_len (least), read once
         self._bracket_routes: bool | None = None  # has /begin_weight_update (SGLang >= 0.5.2x)
         # The trainer's policy version (its one owner, training_core.version): admission and
         # routing read it; weight_sync.push_weights advances it.
@@ -301,19 +301,22 @@ class RolloutClient:
     async def _fit_context(self, request: GenerationRequest) -> tuple[GenerationRequest, bool]:
         """The one prompt-length rule (module docstring): the budget cut to the room the
         context leaves, or the prompt refused when it leaves none."""
-        if self._context_len is None:
+        if self._context_len is None:  # SGLang's scheduler bound: max_req_input_len
             infos = await self.server_infos(timeout_s=10.0)
-            lengths = [int(i["context_length"]) for i in infos.values()
-                       if i and isinstance(i.get("context_length"), int)]
-            self._context_len = min(lengths) if lengths else 0  # 0: not reported, no rule
-        context, prompt = self._context_len, len(request.input_ids)
-        if not context or prompt + request.sampling.max_new_tokens <= context:
+            limits = [int(i["max_req_input_len"]) if isinstance(i.get("max_req_input_len"), int)
+                      else int(i["context_length"]) - 6 for i in infos.values()
+                      if i and isinstance(i.get("max_req_input_len", i.get("context_length")), int)]
+            self._context_len = min(limits) if limits else 0  # 0: not reported, no rule
+        limit, prompt = self._context_len, len(request.input_ids)
+        if not limit:
             return request, False
-        if prompt >= context:
+        if prompt >= limit:
             raise PromptTooLong(f"a prompt of {prompt} tokens leaves no room in the servers' "
-                                f"context of {context} tokens")
-        room = replace(request.sampling, max_new_tokens=context - prompt)
-        return replace(request, sampling=room), True
+                                f"context (their max_req_input_len is {limit} tokens)")
+        room = limit + 4 - prompt  # what SGLang's scheduler lets run: context - 2 - prompt
+        if request.sampling.max_new_tokens <= room:
+            return request, False
+        return replace(request, sampling=replace(request.sampling, max_new_tokens=room)), True
 
     async def _until_unpaused(self) -> None:
         # Re-submitting while the servers are paused would only queue (SGLang) or abort again:
@@ -517,12 +520,17 @@ class RolloutClient:
                     log.warning("end_weight_update on %s failed: %s", server.url, end)
 
     async def _bracket(self, server: _Server, path: str) -> bool:
-        """True once ``path`` succeeded, False on a 404 (a release without it)."""
+        """True once ``path`` succeeded, False on a 404 (a release without it). A session a dead
+        trainer left open is closed, and begun again."""
         try:
             await self._retrying(server, path, {})
         except RolloutServerError as exc:
             if exc.status == 404:
                 return False
+            if path == "/begin_weight_update" and "already open" in str(exc):
+                await self._retrying(server, "/end_weight_update", {})
+                await self._retrying(server, path, {})
+                return True
             raise
         return True
 

@@ -319,7 +319,8 @@ class WithContext(ScriptedSGLang):
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/server_info":
             self.requests.append((request.method, request.url.path, None))
-            return httpx.Response(200, json={"version": "0.5.23", "context_length": self.context})
+            return httpx.Response(200, json={"version": "0.5.23", "context_length": self.context,
+                                             "max_req_input_len": self.context - 6})
         return await super().__call__(request)
 
 
@@ -328,16 +329,17 @@ def test_a_budget_over_the_context_is_cut_and_counted_and_a_full_prompt_is_refus
     what the context leaves (the server would answer a 400 otherwise), a prompt that leaves no
     room is refused before anything is sent."""
     server = WithContext(lambda body, n: (200, reply([4] * body["sampling_params"][
-        "max_new_tokens"], "length")), context=10)
+        "max_new_tokens"], "length")), context=20)
     client = client_for(server)
-    resp = run(client.agenerate(request(max_new_tokens=9, ids=range(6))))
+    # SGLang runs at most context - 2 - prompt new tokens (its scheduler's cut): 12 here
+    resp = run(client.agenerate(request(max_new_tokens=15, ids=range(6))))
     sent = [b for _, p, b in server.requests if p == "/generate"]
-    assert sent[0]["sampling_params"]["max_new_tokens"] == 4 and resp.budget_clamped
-    assert not run(client.agenerate(request(max_new_tokens=4, ids=range(6)))).budget_clamped
+    assert sent[0]["sampling_params"]["max_new_tokens"] == 12 and resp.budget_clamped
+    assert not run(client.agenerate(request(max_new_tokens=12, ids=range(6)))).budget_clamped
     from training_core.transport.rollout_client import PromptTooLong
 
-    with pytest.raises(PromptTooLong, match="prompt of 10 tokens leaves no room"):
-        run(client.agenerate(request(ids=range(10))))
+    with pytest.raises(PromptTooLong, match="prompt of 14 tokens leaves no room"):
+        run(client.agenerate(request(ids=range(14))))
     assert len([p for _, p, _ in server.requests if p == "/generate"]) == 2
     assert issubclass(PromptTooLong, RequestRejected)  # an episode error, never retried
 
