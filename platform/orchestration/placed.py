@@ -58,8 +58,9 @@ def node_pool(run_id: int, inventory: NodeInventory) -> str:
 @dataclass
 class PlacedRun:
     run_id: int
-    tracker_url: str
-    ingest_token: str
+    # The run's credential and the web app's URL, sealed with the run's node key (sealing.py):
+    # the only form in which they appear in a flow run's parameters.
+    sealed: str
     spec: RunSpec
     inventory: NodeInventory
     placement: Placement
@@ -69,6 +70,7 @@ class PlacedRun:
     jobs: list[PlacedProcess] = field(default_factory=list)  # run to completion first (warm start)
     urls: list[str] = field(default_factory=list)
     reservation: Reservation | None = None  # Ray's hold on the placement's GPUs
+    model_sha256: str = ""  # the run's model in its store (model_delivery.py); "": none
 
     def _variables(self) -> list[str]:
         return [master_variable(self.run_id),
@@ -77,8 +79,8 @@ class PlacedRun:
     def _place(self, deployment: str, node: int, what: str, **parameters) -> PlacedProcess:
         run = run_deployment(
             deployment, timeout=0, work_queue_name=node_queue(node), as_subflow=False,
-            parameters={"run_id": self.run_id, "tracker_url": self.tracker_url,
-                        "ingest_token": self.ingest_token, **parameters},
+            parameters={"run_id": self.run_id, "sealed": self.sealed,
+                        "model_sha256": self.model_sha256, **parameters},
             flow_run_name=f"run-{self.run_id}-{what.replace(' ', '-')}")
         return PlacedProcess(f"{what} on {node_queue(node)}", node, run.id)
 
