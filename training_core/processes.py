@@ -44,7 +44,7 @@ ENV_ALLOW = frozenset({
     "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
     "http_proxy", "https_proxy", "no_proxy",
 })
-ENV_ALLOW_PREFIXES = ("NCCL_", "GLOO_", "AWS_", "GOOGLE_APPLICATION_", "AZURE_STORAGE_")
+ENV_ALLOW_PREFIXES = ("NCCL_", "GLOO_", "FI_", "AWS_", "GOOGLE_APPLICATION_", "AZURE_STORAGE_")
 
 
 def process_env(extra: dict[str, str] | None = None,

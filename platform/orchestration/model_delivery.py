@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import uuid
 from pathlib import Path
 
 from training_core.checkpoint import COMPLETE
@@ -71,9 +73,9 @@ def publish_model(store_url: str, run_key: str, folder: Path) -> str:
 
 def fetch_model(store_url: str, run_key: str, dest: Path, digest: str) -> Path:
     """The run's model into ``dest``, every file checked against the manifest whose sha256 is
-    ``digest``; a folder already there with that manifest is kept (one download per node)."""
-    if (dest / MANIFEST).is_file() and \
-            hashlib.sha256((dest / MANIFEST).read_bytes()).hexdigest() == digest:
+    ``digest``; a folder already there with that manifest is kept (one download per node; a
+    node's server and trainer flows may fetch at once, each into a folder of its own first)."""
+    if _holds(dest, digest):
         return dest
     fs, remote = _remote(store_url, run_key)
     if not fs.exists(f"{remote}/{COMPLETE}"):
@@ -85,8 +87,7 @@ def fetch_model(store_url: str, run_key: str, dest: Path, digest: str) -> Path:
         raise ModelDeliveryError(f"the model in the store is not the run's: its manifest's "
                                  f"sha256 is {hashlib.sha256(manifest).hexdigest()}, the flow "
                                  f"published {digest}")
-    tmp = dest.with_name(f".{dest.name}.download")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = dest.with_name(f".{dest.name}.download-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     for rel, want in json.loads(manifest)["files"].items():
         if rel.startswith("/") or ".." in Path(rel).parts:
             raise ModelDeliveryError(f"the model's manifest names a path outside it: {rel!r}")
@@ -98,6 +99,18 @@ def fetch_model(store_url: str, run_key: str, dest: Path, digest: str) -> Path:
             raise ModelDeliveryError(f"the model's file {rel} does not match its sha256 in the "
                                      "manifest: refused")
     (tmp / MANIFEST).write_bytes(manifest)
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
+    if dest.exists() and not _holds(dest, digest):
+        shutil.rmtree(dest, ignore_errors=True)  # another model (an earlier run's leftovers)
+    try:
+        tmp.rename(dest)
+    except OSError:  # another process of this node got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _holds(dest, digest):
+            raise
     return dest
+
+
+def _holds(folder: Path, digest: str) -> bool:
+    """``folder`` is a fetched model whose manifest has this sha256."""
+    manifest = folder / MANIFEST
+    return manifest.is_file() and hashlib.sha256(manifest.read_bytes()).hexdigest() == digest
