@@ -287,7 +287,7 @@ def _server_pid(node_dir: Path) -> int | None:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if (b"embedded_server" in (entry / "cmdline").read_bytes()
+                if (b"rollout_server.server" in (entry / "cmdline").read_bytes()
                         and str(node_dir).encode() in (entry / "environ").read_bytes()):
                     return int(entry.name)
             except OSError:
