@@ -33,7 +33,7 @@ from orchestration.deployments import deploy_node_flows
 from orchestration.model_delivery import publish_model
 from orchestration.placed import PlacedRun, node_pool, online_nodes, wait_nodes_online
 from orchestration.placement import Placement, PlacementError, plan, shared_plan
-from orchestration.providers import NodeInventory, get_provider
+from orchestration.providers import NodeInventory, NodeProvider, get_provider
 from orchestration.providers.base import node_queue
 from orchestration.ray_placement import PlacementCancelled, Reservation, ray_address, reserve
 from orchestration.sealing import NODE, RunCredential
@@ -164,7 +164,7 @@ def placement_event(tracker: Tracker, placement: Placement, how: str = "") -> No
                                + "; ".join(placement.describe()), plan=placement.as_dict())
 
 
-def prepare_placed(prov, run_id: int, cred: RunCredential, spec: RunSpec,
+def prepare_placed(prov: NodeProvider, run_id: int, cred: RunCredential, spec: RunSpec,
                    inventory: NodeInventory, tracker: Tracker) -> PlacedRun | None:
     """Everything a run on nodes needs before its first process: the nodes' own credential
     (sealed with the run's node key), the model in the run's store, the provider's nodes online
