@@ -41,6 +41,14 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "OOLONG_NODE_POOL": ("nodes", "the work pool static nodes' workers serve"),
     "OOLONG_NODE_QUEUE": ("nodes", "this node's work queue (node-<i>), set by cloud-init"),
     "OOLONG_NODE_INDEX": ("nodes", "this node's index, set by cloud-init"),
+    "OOLONG_NODE_KEY": ("nodes", "the key sealed run credentials open with on this node (per run on "
+                        "Terraform nodes; one per deployment on static nodes)"),
+    "OOLONG_CONTROL_KEY": ("web app, flows", "the key the training-run flow's sealed token opens with "
+                           "(server mode)"),
+    "OOLONG_BUILD_DIR": ("flows", "a release's wheel and constraints to install on nodes, instead of a "
+                         "build of this checkout"),
+    "OOLONG_TERRAFORM_STORE_URL": ("flows", "the Terraform runs' store (s3://bucket/prefix; a folder "
+                                   "in tests)"),
     "OOLONG_TERRAFORM_BIN": ("flows", "the terraform binary"),
     "OOLONG_TERRAFORM_WORKSPACES": ("flows", "where each run's Terraform workspace lives"),
     "OOLONG_TERRAFORM_TIMEOUT_S": ("flows", "how long one terraform apply or destroy may take"),
@@ -79,6 +87,9 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "OOLONG_SGLANG_SOURCE": ("make test", "the unpacked SGLang wheel the contract tests read"),
     "OOLONG_REQUIRE_SGLANG_SOURCE": ("make test", "1: the contract tests fail without that source"),
     "OOLONG_FAKE_TF_LOG": ("tests", "where the fake terraform records its calls"),
+    "OOLONG_FAKE_TF_BOOT": ("tests", "the fake terraform boots loopback nodes from cloud-init"),
+    "OOLONG_FAKE_TF_PYTHON": ("tests", "the interpreter the fake terraform's nodes use"),
+    "OOLONG_SGLANG_WHEEL": ("tests", "the pinned SGLang wheel the node-install tests read"),
 }
 
 

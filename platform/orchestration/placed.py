@@ -35,7 +35,6 @@ from orchestration.supervise import Outcome
 from orchestration.tracker import Tracker
 from training_core.config import RunSpec
 from training_core.transport.http import wait_healthy
-from training_core.transport.server_auth import derive_server_key
 
 POOL_ENV = "OOLONG_NODE_POOL"  # the pool static nodes' workers serve
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -59,8 +58,9 @@ def node_pool(run_id: int, inventory: NodeInventory) -> str:
 @dataclass
 class PlacedRun:
     run_id: int
-    tracker_url: str
-    ingest_token: str
+    # The run's credential and the web app's URL, sealed with the run's node key (sealing.py):
+    # the only form in which they appear in a flow run's parameters.
+    sealed: str
     spec: RunSpec
     inventory: NodeInventory
     placement: Placement
@@ -70,6 +70,10 @@ class PlacedRun:
     jobs: list[PlacedProcess] = field(default_factory=list)  # run to completion first (warm start)
     urls: list[str] = field(default_factory=list)
     reservation: Reservation | None = None  # Ray's hold on the placement's GPUs
+    model_sha256: str = ""  # the run's model in its store (model_delivery.py); "": none
+    # the servers' key, derived from the nodes' credential as each node derives it (the probes
+    # of /model_info need it); never a parameter
+    server_key: str = field(default="", repr=False)
 
     def _variables(self) -> list[str]:
         return [master_variable(self.run_id),
@@ -78,8 +82,8 @@ class PlacedRun:
     def _place(self, deployment: str, node: int, what: str, **parameters) -> PlacedProcess:
         run = run_deployment(
             deployment, timeout=0, work_queue_name=node_queue(node), as_subflow=False,
-            parameters={"run_id": self.run_id, "tracker_url": self.tracker_url,
-                        "ingest_token": self.ingest_token, **parameters},
+            parameters={"run_id": self.run_id, "sealed": self.sealed,
+                        "model_sha256": self.model_sha256, **parameters},
             flow_run_name=f"run-{self.run_id}-{what.replace(' ', '-')}")
         return PlacedProcess(f"{what} on {node_queue(node)}", node, run.id)
 
@@ -200,7 +204,7 @@ class PlacedRun:
         while True:
             # every server at once, bounded by the probe timeout (not one after another)
             answers = probe(self.urls, timeout_s=orch.probe_timeout_s,
-                            api_key=derive_server_key(self.ingest_token)).infos
+                            api_key=self.server_key or None).infos
             now = time.monotonic()
             for i, (url, info) in enumerate(zip(self.urls, answers, strict=True)):
                 if info is not None:
@@ -274,7 +278,7 @@ class PlacedRun:
     def server_versions(self) -> list[str]:
         """Each server's ``weight_version`` (``/model_info``); "?" where it does not answer."""
         infos = probe(self.urls, timeout_s=self.spec.orchestration.probe_timeout_s,
-                      api_key=derive_server_key(self.ingest_token)).infos
+                      api_key=self.server_key or None).infos
         return [str((info or {}).get("weight_version", "?")) for info in infos]
 
     def stop(self, timeout_s: float = 30.0) -> list[str]:

@@ -22,6 +22,12 @@ class Tracker:
     def run_info(self) -> dict[str, Any]:
         return self.web.get_json("/api/ingest/run/")
 
+    def node_credential(self, provider: str) -> str:
+        """A credential of the run for its nodes (the web app issues it to the run's flow only):
+        the ingest endpoints of this run and nothing else, void once the run ends."""
+        return self.web.post_json("/api/ingest/node-credential/",
+                                  {"provider": provider})["credential"]
+
     def cancel_requested(self) -> bool:
         return bool(self.run_info().get("cancel_requested"))
 

@@ -5,7 +5,13 @@ Modes (OOLONG_PREFECT_MODE):
 - ``local`` (default, no servers): a detached process runs the flow on Prefect's ephemeral
   engine, with a project-local PREFECT_HOME.
 - ``server``: the `training-run/training-run` deployment on a Prefect server
-  (PREFECT_API_URL), with an idempotency key so a retried submission starts one flow run.
+  (PREFECT_API_URL, and PREFECT_API_AUTH_STRING: the server requires authentication), with an
+  idempotency key so a retried submission starts one flow run.
+
+The flow's token is never a flow parameter (Prefect shows parameters to every client, the nodes
+of every run included): in local mode it travels in the flow process's environment, in server
+mode sealed with the control plane's key, ``OOLONG_CONTROL_KEY`` (sealing.py), which the web
+app's workers and the flows' worker share and no node has.
 """
 
 from __future__ import annotations
@@ -18,10 +24,26 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
+from orchestration.sealing import CONTROL, CONTROL_KEY_ENV, RunCredential, key_from_env
 from training_core.processes import process_env
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOYMENT = "training-run/training-run"
+TOKEN_ENV = "OOLONG_INGEST_TOKEN"  # the flow's token in local mode (its environment)
+
+
+def flow_credential(run_id: int, *, sealed: str = "", tracker_url: str = "") -> RunCredential:
+    """The training-run flow's own credential: opened from ``sealed`` with the control plane's
+    key (server mode), else ``$OOLONG_INGEST_TOKEN`` and ``tracker_url`` (local mode)."""
+    if sealed:
+        return RunCredential.unseal(key_from_env(CONTROL_KEY_ENV), sealed, purpose=CONTROL,
+                                    run_id=run_id)
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token or not tracker_url:
+        raise RuntimeError(f"the training-run flow of run {run_id} got no credential: a sealed "
+                           f"one (server mode), or {TOKEN_ENV} in its environment and a tracker "
+                           "URL (local mode)")
+    return RunCredential(run_id, tracker_url, token)
 
 
 def flow_run_dir(run_id: int) -> Path:
@@ -82,18 +104,19 @@ def submit_training_run(*, run_id: int, tracker_url: str, ingest_token: str,
     if mode == "server":
         from prefect.deployments import run_deployment
 
+        sealed = RunCredential(run_id, tracker_url, ingest_token).seal(
+            key_from_env(CONTROL_KEY_ENV), purpose=CONTROL)
         flow_run = run_deployment(DEPLOYMENT, timeout=0,
                                   idempotency_key=f"oolong-run-{run_id}-{attempt}",
-                                  parameters={"run_id": run_id, "tracker_url": tracker_url,
-                                              "ingest_token": ingest_token, "provider": provider,
-                                              "resume": resume})
+                                  parameters={"run_id": run_id, "provider": provider,
+                                              "resume": resume, "sealed": sealed})
         return f"prefect:{flow_run.id}"
     runs_dir = flow_run_dir(run_id)
     runs_dir.mkdir(parents=True, exist_ok=True)
     env = prefect_env()
     if "PREFECT_API_URL" not in env:  # the ephemeral engine: its database must exist first
         prefect_database_ready(env)
-    env["OOLONG_INGEST_TOKEN"] = ingest_token  # not on the command line (visible in ps)
+    env[TOKEN_ENV] = ingest_token  # not on the command line (ps), nor a parameter (Prefect's API)
     env["OOLONG_RUN_ID"] = str(run_id)  # inherited by every process of the run (teardown checks)
     # [issue 47] One flow per (run, attempt), as the server mode's idempotency key gives: a
     # submission retried after a worker died between starting the flow and recording it finds

@@ -98,20 +98,9 @@ def test_checkov_finds_no_failed_checks(tmp_path):
 def _render_cloud_init(tmp_path: Path, node_index: int) -> dict:
     """The node's cloud-init as Terraform itself renders it (templatefile in `terraform
     console`), with the module's values for a run of 8-GPU nodes."""
-    import yaml
+    from tests.infra import cloud_init
 
-    template = TF / "modules" / "gpu_node_pool" / "cloud-init.yaml.tftpl"
-    expr = (f'templatefile("{template}", {{oolong_package="oolong[core,orchestration]",'
-            ' sglang_version="0.5.23", prefect_api_url="http://10.0.0.5:4200/api",'
-            f' work_pool="oolong-run-7", node_index={node_index}, port_range="30000-30999",'
-            ' checkpoint_store="s3://ckpt-bucket/oolong", runs_dir="/opt/oolong/runs", gpus=8,'
-            ' ray_head_address="10.0.1.10", ray_port=6379, ray_client_port=10001})')
-    # An empty working directory: console leaves no state files in the repository.
-    out = subprocess.run(["terraform", "console"], input=expr, cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "TF_CLI_CONFIG_FILE": "/dev/null"})
-    assert out.returncode == 0, out.stderr
-    rendered = out.stdout.strip().removeprefix("<<EOT").removesuffix("EOT").strip()
-    return yaml.safe_load(rendered)
+    return cloud_init.render(tmp_path / f"node-{node_index}", node_index=node_index)
 
 
 def test_cloud_init_joins_the_runs_ray_cluster_node_0_heading_it(tmp_path):
@@ -140,7 +129,10 @@ def test_cloud_init_joins_the_runs_ray_cluster_node_0_heading_it(tmp_path):
     assert "systemctl enable --now oolong-ray.service oolong-prefect-worker.service" in cmds
     # the fixed head address is node 0's, and the control plane is told where to connect
     instance = _pool_resources("aws_instance")["node"]
-    assert instance["private_ip"] == "${count.index == 0 ? local.ray_head_ip : null}"
+    assert instance["private_ip"] == "${local.efa ? null : (count.index == 0 ? local.ray_head_ip : null)}"
+    # with EFA, node 0's primary interface (card 0) holds it
+    assert _pool_resources("aws_network_interface")["efa"]["private_ips"] == \
+        "${count.index == 0 ? [local.ray_head_ip] : null}"
     outputs = {name.strip('"'): body for block in _load(TF / "run" / "outputs.tf")["output"]
                for name, body in block.items()}
     assert outputs["ray_address"]["value"] == "${module.pool.ray_address}"
@@ -168,8 +160,11 @@ def test_cloud_init_renders_a_worker_that_serves_the_nodes_queue(tmp_path):
     assert env["OOLONG_PORT_RANGE"] == "30000-30999"
     assert env["OOLONG_SGLANG_PYTHON"] == "/opt/sglang/venv/bin/python"
     cmds = [c for c in doc["runcmd"] if isinstance(c, str)]
-    assert '/opt/sglang/venv/bin/pip install "sglang==0.5.23"' in cmds
-    assert '/opt/oolong/venv/bin/pip install "oolong[core,orchestration]"' in cmds
+    # SGLang in its own Python 3.11 environment, on its own pins (test_node_install.py checks
+    # every environment's interpreter and the build by hash)
+    assert "python3.11 -m venv /opt/sglang/venv" in cmds
+    assert ("/opt/sglang/venv/bin/pip install --no-input -c /opt/oolong/dist/"
+            'constraints-sglang.txt "sglang==0.5.23"') in cmds
     # the worker polls often enough for the flow's liveness check (worker_lost_after_s)
     assert int(env["PREFECT_WORKER_QUERY_SECONDS"]) <= 15
     # the reward jail can be built there: bubblewrap, libseccomp and its unprivileged user
@@ -240,3 +235,47 @@ def test_the_runs_vpc_is_peered_with_the_control_planes_when_given():
     pool = next(body for name, body in run["module"][0].items() if name.strip('"') == "pool")
     assert pool["vpc_cidr"].strip('"') == "10.${100 + var.run_id % 150}.0.0/16"
     assert pool["control_plane_vpc_id"] == "${var.control_plane_vpc_id}"
+
+
+def test_the_build_and_the_nodes_secrets_are_required_typed_variables():
+    """No default that installs anything by name: the build is a typed URL + sha256 per file,
+    the node key and the Prefect credential are sensitive, and the run module passes them."""
+    pool = _blocks(TF / "modules" / "gpu_node_pool", "variable")
+    build = pool["oolong_build"]
+    assert "default" not in build
+    assert build["type"] == ("${object({wheel = object({url = string, sha256 = string}), "
+                             "constraints = object({url = string, sha256 = string}), "
+                             "sglang_constraints = object({url = string, sha256 = string})})}")
+    assert len(build["validation"]) == 2  # URL and hash shapes; the wheel is a .whl
+    for name in ("node_key", "prefect_api_auth_string"):
+        assert pool[name]["sensitive"] is True and "default" not in pool[name], name
+    run = _load(TF / "run" / "main.tf")
+    module = next(body for name, body in run["module"][0].items() if name.strip('"') == "pool")
+    for name in ("oolong_build", "node_key", "prefect_api_auth_string", "efa"):
+        assert module[name] == f"${{var.{name}}}", name
+
+
+def test_efa_interfaces_on_p4d_and_p5_only():
+    """Each network card of a p4d (4) or p5 (32) gets an EFA interface, the primary one with
+    the node's public address; every other type keeps one ordinary interface (NCCL over TCP)."""
+    locals_ = {k: v for block in _load(TF / "modules" / "gpu_node_pool" / "main.tf")["locals"]
+               for k, v in block.items()}
+    per_type = {k.strip('"'): v for k, v in locals_["efa_per_type"].items()}
+    assert per_type["p4d.24xlarge"] == 4 and per_type["p5.48xlarge"] == 32
+    assert not {"g5.xlarge", "g5.48xlarge", "g6.12xlarge"} & set(per_type)
+    assert locals_["efa_count"] == "${var.efa ? lookup(local.efa_per_type, var.instance_type, 0) : 0}"
+    eni = _pool_resources("aws_network_interface")["efa"]
+    assert eni["interface_type"].strip('"') == "efa" and eni["count"] == "${var.node_count * local.efa_count}"
+    assert eni["security_groups"] == ["${aws_security_group.pool.id}"]
+    node = _pool_resources("aws_instance")["node"]
+    nic = next(d['"network_interface"'] for d in node["dynamic"] if '"network_interface"' in d)
+    assert nic["for_each"] == "${range(local.efa_count)}"
+    assert nic["content"][0]["network_card_index"] == "${network_interface.value}"
+    assert node["subnet_id"] == "${local.efa ? null : aws_subnet.pool.id}"
+    eip = _pool_resources("aws_eip")["efa"]
+    assert eip["network_interface"] == "${aws_network_interface.efa[count.index * local.efa_count].id}"
+    # EFA needs the group to let the pool reach itself on every protocol, both ways
+    for kind in ("aws_vpc_security_group_ingress_rule", "aws_vpc_security_group_egress_rule"):
+        rule = _pool_resources(kind)["intra_pool"]
+        assert rule["ip_protocol"].strip('"') == "-1"
+        assert rule["referenced_security_group_id"] == "${aws_security_group.pool.id}"

@@ -16,7 +16,10 @@ those were left out:
 - ``apt`` (``packages``, ``apt.sources``): this machine is not Ubuntu; the packages are asserted
   installed here instead;
 - ``systemctl``: systemd is not PID 1 here (see above);
-- ``chown ubuntu``: there is no ``ubuntu`` user; the nodes run as this test's user.
+- ``chown ubuntu``: there is no ``ubuntu`` user; the nodes run as this test's user;
+- the GPU pins: a node installs the build with the constraints the control plane published
+  beside its wheel, ``constraints-gpu.txt`` on a GPU node (SGLang's CUDA torch); this CPU machine
+  publishes ``constraints.txt`` instead (``publish_build(gpu=False)``), whose torch it has.
 
 The third-party dependencies are this machine's: ``dependency_dir`` links every distribution of
 the project venv except Oolong itself and pip's own tools, and each node venv gets a ``.pth``
@@ -34,7 +37,6 @@ import os
 import re
 import secrets
 import shlex
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -77,22 +79,6 @@ def render_cloud_init(values: dict[str, str | int], workdir: Path) -> str:
     if out.returncode != 0:
         raise RuntimeError(f"terraform console failed: {out.stderr}")
     return out.stdout.strip().removeprefix("<<EOT").removesuffix("EOT").strip() + "\n"
-
-
-def build_wheel(dest: Path) -> Path:
-    """A wheel of this project, built from a copy of its tracked files (the build leaves
-    nothing in the checkout); the nodes install it as they would a released package."""
-    src = dest / "src"
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "pyproject.toml",
-                             "README.md", "training_core", "platform", "webapp", "workers"],
-                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    for rel in listed:
-        if (ROOT / rel).is_file():
-            (src / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, src / rel)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", str(src), "-w", str(dest)], check=True, capture_output=True, timeout=300)
-    return next(dest.glob("oolong-*.whl"))
 
 
 def dependency_dir(dest: Path) -> Path:

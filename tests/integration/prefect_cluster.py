@@ -47,19 +47,25 @@ def healthy(api: str) -> bool:
         return False
 
 
-def start_server(tmp_path: Path, database: str, procs: list[subprocess.Popen]
-                 ) -> tuple[str, dict[str, str]]:
+def start_server(tmp_path: Path, database: str, procs: list[subprocess.Popen],
+                 auth: str | None = None) -> tuple[str, dict[str, str]]:
     """A Prefect server on a fresh PostgreSQL database ``database`` (dropped and created), its
     process appended to ``procs`` before it is healthy (the caller's cleanup stops it). Returns
-    its API URL and the environment its clients use (PREFECT_HOME under ``tmp_path``)."""
+    its API URL and the environment its clients use (PREFECT_HOME under ``tmp_path``).
+    ``auth``: the server requires this basic-auth credential (user:password), as production's
+    does, and its clients' environment presents it."""
     psql = ["psql", "-h", "127.0.0.1", "-U", "postgres", "-c"]
     subprocess.run([*psql, f"DROP DATABASE IF EXISTS {database}"], capture_output=True)
     subprocess.run([*psql, f"CREATE DATABASE {database}"], check=True, capture_output=True)
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = prefect_env(api, tmp_path / "prefect-home")
+    if auth:
+        env["PREFECT_API_AUTH_STRING"] = auth
     server_env = {**env, "PREFECT_API_DATABASE_CONNECTION_URL":
                   f"postgresql+asyncpg://postgres@127.0.0.1:5432/{database}"}
+    if auth:
+        server_env["PREFECT_SERVER_API_AUTH_STRING"] = auth
     procs.append(spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                         "--port", str(port)], tmp_path / "prefect-server.log", server_env, tmp_path))
     wait_for(lambda: healthy(api), 120, "the Prefect server")

@@ -33,9 +33,13 @@ def nodes(tmp_path, monkeypatch):
     """Prefect server + pool + one worker per node; sets the environment the web app's stack
     passes on (PREFECT_API_URL, the static node list, the pool). The training-run flow
     registers the node deployments itself."""
+    from orchestration.sealing import new_key
+
     procs: list[subprocess.Popen] = []
     try:
         api, env = start_server(tmp_path, "oolong_prefect_multinode", procs)
+        # static nodes and the flows' worker share the deployment's node key (sealing.py)
+        env["OOLONG_NODE_KEY"] = new_key()
         subprocess.run([sys.executable, "-m", "prefect", "work-pool", "create", POOL, "--type",
                         "process"], env=env, check=True, capture_output=True, timeout=120)
         store = tmp_path / "checkpoint-store"  # durable: outlives every node
@@ -44,6 +48,8 @@ def nodes(tmp_path, monkeypatch):
         monkeypatch.setenv("PREFECT_API_URL", api)
         monkeypatch.setenv("OOLONG_STATIC_NODES", ",".join(NODES))
         monkeypatch.setenv("OOLONG_NODE_POOL", POOL)
+        monkeypatch.setenv("OOLONG_NODE_KEY", env["OOLONG_NODE_KEY"])
+        monkeypatch.setenv("OOLONG_CHECKPOINT_STORE", f"file://{store}")  # the model travels there
         yield {"api": api, "dirs": dirs, "procs": procs, "env": env, "store": store,
                "tmp": tmp_path}
     finally:

@@ -65,7 +65,7 @@ def _supervised(monkeypatch, steps, timeout_s: float):
     from orchestration.placement import TrainerSlot
 
     spec = load_spec(None, [f"orchestration.heartbeat_timeout_s={timeout_s}"])
-    run = PlacedRun(1, "http://web", "token", spec, _nodes(2), Placement((TrainerSlot(0, 0, ()),), ()), "pool")
+    run = PlacedRun(1, "sealed", spec, _nodes(2), Placement((TrainerSlot(0, 0, ()),), ()), "pool")
     run.trainers = [PlacedProcess("trainer node 0 on node-0", 0, uuid4())]
     monkeypatch.setattr(PlacedRun, "_states", lambda self, ps: {p: ("RUNNING", "") for p in ps})
     monkeypatch.setattr("orchestration.placed.queue_ages", lambda pool: {})  # workers: polling

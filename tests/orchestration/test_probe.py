@@ -64,7 +64,7 @@ def test_supervise_finds_a_hung_server_lost_and_names_it(servers, monkeypatch):
     inventory = NodeInventory([Node(f"127.0.0.{i}") for i in range(2, 10)])
     placement = Placement((TrainerSlot(0, 0, ()),),
                           tuple(ServerSlot(i, i % 8, (), 1) for i in range(32)))
-    run = PlacedRun(1, "http://web", "token", spec, inventory, placement, "pool")
+    run = PlacedRun(1, "sealed", spec, inventory, placement, "pool")
     run.trainers = [PlacedProcess("trainer node 0 on node-0", 0, uuid4())]
     run.servers = [PlacedProcess(f"rollout server {i} on node-{i % 8}", i % 8, uuid4())
                    for i in range(32)]

@@ -11,11 +11,20 @@ from orchestration.providers.terraform import TerraformError, TerraformNodeProvi
 
 FAKE = Path(__file__).with_name("fake_terraform.py")
 VARS = {"region": "us-east-1", "availability_zone": "us-east-1a", "instance_type": "g5.xlarge",
-        "node_count": 2, "prefect_api_url": "https://prefect.example/api"}
+        "node_count": 2, "prefect_api_url": "https://prefect.example/api",
+        "checkpoint_bucket": "ckpt-bucket"}
+AUTH = "oolong:" + "s" * 32
 
 
 def _spec(**overrides):
     return {"orchestration": {"provider": "terraform", "terraform_vars": {**VARS, **overrides}}}
+
+
+@pytest.fixture(autouse=True)
+def _store_and_prefect(tmp_path, monkeypatch):
+    """The bucket as this machine reaches it (a folder: no S3 here), the Prefect credential."""
+    monkeypatch.setenv("OOLONG_TERRAFORM_STORE_URL", (tmp_path / "bucket").as_uri())
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", AUTH)
 
 
 @pytest.fixture
@@ -40,6 +49,37 @@ def test_provision_parses_outputs_into_an_inventory_and_release_destroys(provide
     provider.release(7)
     assert _calls(tmp_path) == ["init", "apply", "output", "destroy"]
     assert json.loads((ws / "terraform.tfstate").read_text())["resources"] == []
+
+
+def test_the_provider_adds_the_build_by_hash_the_node_key_and_the_prefect_credential(
+        provider, tmp_path, monkeypatch):
+    """What the spec cannot set: the published build (each file in the store by its hash), the
+    run's node key (kept, root's only), the Prefect credential; the variables file is private."""
+    import hashlib
+
+    provider.provision(11, _spec())
+    tfvars = provider.workspace(11) / "run.tfvars.json"
+    assert tfvars.stat().st_mode & 0o777 == 0o600
+    variables = json.loads(tfvars.read_text())
+    for name, f in variables["oolong_build"].items():
+        path = Path(f["url"].removeprefix("file://"))
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == f["sha256"], name
+        assert path.is_relative_to(tmp_path / "bucket" / "builds")
+    assert variables["oolong_build"]["wheel"]["url"].endswith(".whl")
+    assert variables["node_key"] == provider.node_key(11) != provider.node_key(12)
+    assert (provider.root / "run-11" / "node.key").stat().st_mode & 0o777 == 0o600
+    assert variables["prefect_api_auth_string"] == AUTH
+    assert provider.store_url(_spec()) == (tmp_path / "bucket").as_uri()
+    monkeypatch.delenv("OOLONG_TERRAFORM_STORE_URL")
+    assert provider.store_url(_spec(checkpoint_prefix="a/b")) == "s3://ckpt-bucket/a/b"
+
+
+def test_a_run_without_its_store_or_the_prefect_credential_is_refused(provider, monkeypatch):
+    with pytest.raises(TerraformError, match="checkpoint_bucket is empty"):
+        provider.provision(12, _spec(checkpoint_bucket=""))
+    monkeypatch.delenv("PREFECT_API_AUTH_STRING")
+    with pytest.raises(TerraformError, match="PREFECT_API_AUTH_STRING is not set"):
+        provider.provision(13, _spec())
 
 
 def test_apply_failing_half_way_still_gets_destroyed(provider, tmp_path):

@@ -54,3 +54,49 @@ def test_flows_inherit_no_web_app_secret(monkeypatch):
     assert env["PREFECT_API_URL"] == "http://127.0.0.1:4200/api"
     assert env["TF_CLI_CONFIG_FILE"] == "/etc/terraformrc" and env["AWS_PROFILE"] == "oolong"
     assert env["PATH"] == os.environ["PATH"]
+
+
+def test_server_mode_passes_the_flows_token_sealed_never_as_a_parameter(monkeypatch):
+    """Prefect shows a flow run's parameters to every client (the nodes of every run): the
+    token goes sealed with the control plane's key, which only the flows' worker opens."""
+    import prefect.deployments
+    from orchestration import trigger
+    from orchestration.sealing import CONTROL_KEY_ENV, SealError, new_key
+
+    sent = {}
+
+    class _FlowRun:
+        id = "f-1"
+
+    def run_deployment(name, **kwargs):
+        sent.update(kwargs)
+        return _FlowRun()
+
+    monkeypatch.setattr(prefect.deployments, "run_deployment", run_deployment)
+    monkeypatch.setenv("OOLONG_PREFECT_MODE", "server")
+    monkeypatch.delenv(CONTROL_KEY_ENV, raising=False)
+    with pytest.raises(SealError, match="OOLONG_CONTROL_KEY is not set"):
+        trigger.submit_training_run(run_id=4, tracker_url="https://web", ingest_token="tok-4-secret")
+    monkeypatch.setenv(CONTROL_KEY_ENV, new_key())
+    assert trigger.submit_training_run(run_id=4, tracker_url="https://web",
+                                       ingest_token="tok-4-secret", provider="terraform") == "prefect:f-1"
+    params = sent["parameters"]
+    assert "tok-4-secret" not in repr(params) and "https://web" not in repr(params)
+    assert set(params) == {"run_id", "provider", "resume", "sealed"}
+    cred = trigger.flow_credential(4, sealed=params["sealed"])
+    assert (cred.token, cred.tracker_url) == ("tok-4-secret", "https://web")
+    with pytest.raises(SealError):  # another run's id with this seal
+        trigger.flow_credential(5, sealed=params["sealed"])
+    monkeypatch.setenv(CONTROL_KEY_ENV, new_key())  # a machine without the control plane's key
+    with pytest.raises(SealError):
+        trigger.flow_credential(4, sealed=params["sealed"])
+
+
+def test_local_mode_takes_the_token_from_the_environment(monkeypatch):
+    from orchestration import trigger
+
+    monkeypatch.delenv(trigger.TOKEN_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="got no credential"):
+        trigger.flow_credential(3, tracker_url="http://web")
+    monkeypatch.setenv(trigger.TOKEN_ENV, "tok-3")
+    assert trigger.flow_credential(3, tracker_url="http://web").token == "tok-3"

@@ -22,6 +22,11 @@ def server_key() -> str | None:
 
 
 def derive_server_key(run_credential: str) -> str:
-    """The run's server key on a node that holds the run's credential: every node derives the
-    same key from it, so no second secret travels (a Prefect flow parameter would show it)."""
-    return hmac.new(run_credential.encode(), b"oolong rollout-server key", hashlib.sha256).hexdigest()
+    """The run's server key wherever the run's credential is (the flow that issued it, each node
+    that opened it): derived alike everywhere, so no second secret travels (a Prefect flow
+    parameter would show it), and revealing nothing of the credential (SGLang holds the key).
+    HMAC-SHA256 with a label of its own, 64 hex digits."""
+    if not run_credential:
+        raise ValueError("derive_server_key needs the run's credential (empty)")
+    return hmac.new(run_credential.encode(), b"oolong rollout-server key v1",
+                    hashlib.sha256).hexdigest()

@@ -39,6 +39,7 @@ urlpatterns = [
     path("runs/<id:run_id>/metrics/", tracking.RunMetricsApi.as_view()),
     path("runs/<id:run_id>/trajectories/", tracking.RunTrajectoriesApi.as_view()),
     path("ingest/run/", tracking.RunInfoIngestApi.as_view()),
+    path("ingest/node-credential/", tracking.NodeCredentialIngestApi.as_view()),
     path("ingest/dataset/", tracking.DatasetRowsIngestApi.as_view()),
     path("ingest/metrics/", tracking.MetricsIngestApi.as_view()),
     path("ingest/events/", tracking.EventsIngestApi.as_view()),

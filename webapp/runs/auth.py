@@ -10,15 +10,20 @@ from rest_framework import authentication, exceptions
 from rest_framework.throttling import BaseThrottle
 
 from webapp.runs.models import token_hash
-from webapp.runs.selectors import run_get_by_ingest_token
+from webapp.runs.selectors import run_token_get
 
 
 class RunIngestUser:
+    """A run's token: its run, and what it was issued for (``creator``: shown once to whoever
+    created the run; ``orchestrator``: the run's flow; ``node``: what the flow hands its nodes,
+    sealed)."""
+
     is_authenticated = True
     is_anonymous = False
 
-    def __init__(self, run):
+    def __init__(self, run, purpose: str = ""):
         self.run = run
+        self.purpose = purpose
 
     def __str__(self) -> str:
         return f"ingest:{self.run.id}"
@@ -31,10 +36,10 @@ class IngestTokenAuthentication(authentication.BaseAuthentication):
         header = authentication.get_authorization_header(request).decode()
         if not header.startswith(self.keyword + " "):
             return None
-        run = run_get_by_ingest_token(token=header[len(self.keyword) + 1:].strip())
-        if run is None:
+        found = run_token_get(token=header[len(self.keyword) + 1:].strip())
+        if found is None:
             raise exceptions.AuthenticationFailed("unknown run ingest token")
-        return RunIngestUser(run), run
+        return RunIngestUser(found.run, found.purpose), found.run
 
     def authenticate_header(self, request) -> str:
         return self.keyword

@@ -58,15 +58,21 @@ def run_event_recent(*, run: Run, limit: int = 100) -> list[RunEvent]:
     return list(run.events.order_by("-id")[:limit])
 
 
-def run_get_by_ingest_token(*, token: str) -> Run | None:
-    """The run an ingest token belongs to; None for an unknown or revoked token, or a run that has
-    ended (its tokens stop working with it)."""
+def run_token_get(*, token: str) -> RunToken | None:
+    """A live ingest token (with its run and purpose); None for an unknown or revoked token, or a
+    run that has ended (its tokens stop working with it)."""
     digest = token_hash(token)
     found = (RunToken.objects.select_related("run", "run__reward_version")
              .filter(token_hash=digest, revoked_at__isnull=True).first())
     if found is None or not hmac.compare_digest(found.token_hash, digest):
         return None
-    return None if found.run.status in Run.TERMINAL else found.run
+    return None if found.run.status in Run.TERMINAL else found
+
+
+def run_get_by_ingest_token(*, token: str) -> Run | None:
+    """The run an ingest token belongs to (see :func:`run_token_get`)."""
+    found = run_token_get(token=token)
+    return found.run if found is not None else None
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

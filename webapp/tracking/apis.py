@@ -26,7 +26,7 @@ from webapp.runs.apis import RunOutput, RunSpecOutput
 from webapp.runs.auth import IngestRateThrottle, IngestTokenAuthentication, RunIngestUser
 from webapp.runs.models import Run
 from webapp.runs.selectors import run_config_diff, run_gateway, run_get, runs_get
-from webapp.runs.services import run_status_set
+from webapp.runs.services import run_event_add, run_status_set, run_token_issue
 from webapp.tracking.selectors import (
     X_AXES,
     latest_metrics,
@@ -234,6 +234,34 @@ class DatasetRowsIngestApi(IngestApi):
 
 
 # ---- a user's view of a run's tracking data --------------------------------------------------
+
+
+class NodeCredentialIngestApi(IngestApi):
+    """A credential of the run for its nodes, issued to the run's flow only: the ingest
+    endpoints of this run and nothing else, void once the run ends. The flow hands it to each
+    node process sealed with the run's node key (platform/orchestration/sealing.py), so no
+    other run's node can read it through Prefect's API."""
+
+    class InputSerializer(serializers.Serializer):
+        provider = serializers.ChoiceField(choices=["static", "terraform"], required=False,
+                                           help_text="whose nodes get it (the run's events say)")
+
+    class Output(serializers.Serializer):
+        credential = serializers.CharField(help_text="shown once; only its hash is kept")
+
+    @extend_schema(operation_id="ingest_node_credential", request=InputSerializer,
+                   responses={201: Output, **errors(400, 401, 403)})
+    def post(self, request):
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        if self.request.user.purpose != "orchestrator":
+            raise PermissionDenied("only the run's flow (its orchestrator token) may issue its "
+                                   "nodes' credential")
+        credential = run_token_issue(run=self.run, purpose="node")
+        where = data.validated_data.get("provider")
+        run_event_add(run=self.run, kind="credential", message="a credential for the run's "
+                      + (f"{where} " if where else "") + "nodes was issued to its flow")
+        return Response({"credential": credential}, status=201)
 
 
 class RunGatewayOutput(serializers.Serializer):

@@ -94,3 +94,30 @@ variable "server_port_range" {
   default     = { from = 30000, to = 30999 }
 }
 
+
+variable "oolong_build" {
+  type = object({
+    wheel              = object({ url = string, sha256 = string })
+    constraints        = object({ url = string, sha256 = string })
+    sglang_constraints = object({ url = string, sha256 = string })
+  })
+  description = "The build the nodes install, each file's URL in the run's store and its sha256 (the flow publishes them: orchestration/builds.py)."
+}
+
+variable "node_key" {
+  type        = string
+  sensitive   = true
+  description = "The run's node key (OOLONG_NODE_KEY): only this run's nodes open the credentials the flow seals with it."
+}
+
+variable "prefect_api_auth_string" {
+  type        = string
+  sensitive   = true
+  description = "The Prefect API's basic-auth credential the nodes' workers present (the flow's PREFECT_API_AUTH_STRING)."
+}
+
+variable "efa" {
+  type        = bool
+  description = "EFA interfaces on instance types that have them (p4d, p5); false: NCCL over TCP."
+  default     = true
+}

@@ -7,9 +7,12 @@
 - ``warm-start``: the spec's supervised warm start, on the first trainer node, before anything
   else starts; the model goes to the durable store, and every node fetches it from there.
 
-Each node prepares its own run directory from the web app over HTTP with the run's token (spec,
-data, reward code) and the durable store (the warm-started model): nothing is shared between
-nodes but the network. A flow returns when its
+Each node prepares its own run directory from the web app over HTTP with the run's credential
+(spec, data, reward code) and the run's store (the model the spec names, checked against the
+manifest hash the flow passes; the warm-started model): nothing is shared between nodes but the
+network. The credential and the web app's URL arrive sealed with the run's node key
+(``sealed``, see sealing.py): Prefect shows every flow run's parameters to every client, and the
+nodes of other runs are clients too. A flow returns when its
 process exits (a failure raises, naming the node); cancelling the flow run stops its process
 group first: on the worker's SIGTERM, or when the flow's own read of its state sees the cancel.
 """
@@ -32,9 +35,11 @@ from prefect.states import Cancelled
 from prefect.variables import Variable
 
 from orchestration.launchers import warm_start
+from orchestration.model_delivery import fetch_model
+from orchestration.sealing import NODE, NODE_KEY_ENV, RunCredential, key_from_env
 from orchestration.trigger import flow_run_dir
 from training_core.checkpoint_store import STORE_ENV, CheckpointStore
-from training_core.config import RunSpec
+from training_core.config import RunSpec, dump_spec
 from training_core.launch import (
     NODE_ADDRESS_ENV,
     check_nccl,
@@ -75,21 +80,35 @@ def wait_variable(name: str, timeout_s: float) -> str:
     return str(value)
 
 
-def _store(run_dir: Path) -> CheckpointStore:
+def _store(run_dir: Path, what: str = "model.warm_start_seconds across nodes") -> CheckpointStore:
     store = CheckpointStore.from_env(run_dir)
     if store is None:
-        raise RuntimeError(f"model.warm_start_seconds across nodes needs the durable store: set "
-                           f"{STORE_ENV} on every node (a folder or an fsspec URL all of them "
-                           "reach), or warm-start the model beforehand")
+        raise RuntimeError(f"{what} needs the durable store: set {STORE_ENV} on every node (a "
+                           "folder or an fsspec URL all of them reach)")
     return store
 
 
-def prepare_node_run(tracker_url: str, ingest_token: str, run_dir: Path) -> tuple[RunSpec, Path]:
-    """This node's run directory: spec, data and reward code from the web app, and the
-    warm-started model from the durable store when the spec has a warm start."""
-    spec, spec_path = prepare_remote_run(tracker_url, ingest_token, run_dir)
+def node_credential(run_id: int, sealed: str) -> RunCredential:
+    """The run's credential, opened with this node's key (``OOLONG_NODE_KEY``)."""
+    return RunCredential.unseal(key_from_env(NODE_KEY_ENV), sealed, purpose=NODE, run_id=run_id)
+
+
+def prepare_node_run(run_id: int, sealed: str, run_dir: Path, model_sha256: str = "", *,
+                     warm_started: bool = True) -> tuple[RunSpec, Path]:
+    """This node's run directory: spec, data and reward code from the web app, the run's model
+    from its store (``model_sha256``: the manifest hash the flow published; empty: the node
+    resolves ``model.path`` itself), and, with ``warm_started``, the warm-started model when the
+    spec has a warm start."""
+    cred = node_credential(run_id, sealed)
+    spec, spec_path = prepare_remote_run(cred.tracker_url, cred.token, run_dir)
+    if model_sha256:
+        store = _store(run_dir, "the run's model")
+        model = fetch_model(store.url, run_dir.resolve().name, run_dir / "model", model_sha256)
+        spec.model.path = str(model)  # every process of this node starts from the delivered one
+        dump_spec(spec, spec_path)
     initial = run_dir / "initial_model"
-    if spec.model.warm_start_seconds > 0 and not (initial / "config.json").exists():
+    if warm_started and spec.model.warm_start_seconds > 0 and \
+            not (initial / "config.json").exists():
         store = _store(run_dir)
         if not store.has_initial_model():
             raise RuntimeError(f"no warm-started model in the store ({store.url}) on "
@@ -176,21 +195,22 @@ def _run_until_exit(proc: ManagedProcess, what: str, *,
 
 
 @flow(name="rollout-server")
-def rollout_server(run_id: int, tracker_url: str, ingest_token: str, index: int,
-                   gpus: list[int] | None = None, health_timeout_s: float = 300.0,
-                   port: int | None = None) -> None:
+def rollout_server(run_id: int, sealed: str, index: int, gpus: list[int] | None = None,
+                   health_timeout_s: float = 300.0, port: int | None = None,
+                   model_sha256: str = "") -> None:
     """Rollout server ``index`` on the GPUs the placement plan gave it (``gpus``, this node's
     indices; none on a node without GPUs); ``port``: the one a replaced server had (the trainer
     knows its URL), else any free one of the node's range."""
     logger = get_run_logger()
     run_dir = flow_run_dir(run_id)
-    spec, _ = prepare_node_run(tracker_url, ingest_token, run_dir)
+    spec, _ = prepare_node_run(run_id, sealed, run_dir, model_sha256)
     host, port = node_address(), port or free_port()
     url = f"http://{host}:{port}"
     model_dir = str(run_model_dir(spec, run_dir))
     check_nccl(spec)
     # A placed server never shares a GPU with a trainer rank (the plan gives disjoint GPUs).
-    key = derive_server_key(ingest_token)  # every node derives the run's key: none travels
+    # every node derives the run's key from the credential it opened: no key travels
+    key = derive_server_key(node_credential(run_id, sealed).token)
     cmd = server_command(spec, model_dir, port, index, host=host, parent_pid=os.getpid(),
                          mem_fraction=server_mem_fraction(spec, model_dir, shares_trainer_gpu=False),
                          run_dir=run_dir, server_key=key)
@@ -204,13 +224,13 @@ def rollout_server(run_id: int, tracker_url: str, ingest_token: str, index: int,
 
 
 @flow(name="trainer")
-def trainer_node(run_id: int, tracker_url: str, ingest_token: str, node_rank: int, nnodes: int,
-                 server_urls: list[str], resume: bool = False, gpus: list[int] | None = None,
-                 rendezvous_timeout_s: float = 300.0) -> None:
+def trainer_node(run_id: int, sealed: str, node_rank: int, nnodes: int, server_urls: list[str],
+                 resume: bool = False, gpus: list[int] | None = None,
+                 rendezvous_timeout_s: float = 300.0, model_sha256: str = "") -> None:
     """This node's trainer ranks: one per GPU the placement plan gave to training (``gpus``),
     one on a node without GPUs."""
     run_dir = flow_run_dir(run_id)
-    _, spec_path = prepare_node_run(tracker_url, ingest_token, run_dir)
+    _, spec_path = prepare_node_run(run_id, sealed, run_dir, model_sha256)
     if node_rank == 0:  # the first trainer node hosts the rendezvous on a port free here
         master_address, master_port = node_address(), free_port()
         Variable.set(master_variable(run_id), f"{master_address}:{master_port}", overwrite=True)
@@ -224,21 +244,22 @@ def trainer_node(run_id: int, tracker_url: str, ingest_token: str, node_rank: in
                           resume=resume, overrides=("weight_sync=distributed",))
     proc = ManagedProcess(f"trainer node {node_rank}", cmd, run_dir / "logs" / "trainer.log",
                           env=run_env(run_dir, run_id, gpus,
-                                      server_key=derive_server_key(ingest_token))).start()
+                                      server_key=derive_server_key(
+                                          node_credential(run_id, sealed).token))).start()
     _run_until_exit(proc, f"trainer node {node_rank}")
 
 
 @flow(name="warm-start")
-def warm_start_node(run_id: int, tracker_url: str, ingest_token: str) -> None:
+def warm_start_node(run_id: int, sealed: str, model_sha256: str = "") -> None:
     """The warm start of a placed run, made once and kept in the durable store (a resumed run,
     on these nodes or fresh ones, finds it there and does not make it again)."""
     logger = get_run_logger()
     run_dir = flow_run_dir(run_id)
-    spec, spec_path = prepare_remote_run(tracker_url, ingest_token, run_dir)
     store = _store(run_dir)
     if store.has_initial_model():
         logger.info("the warm-started model is already in the store")
         return
+    spec, spec_path = prepare_node_run(run_id, sealed, run_dir, model_sha256, warm_started=False)
     out = warm_start(spec, spec_path, run_dir, run_id)
     store.upload_initial_model(out)
     logger.info("warm-started model on %s uploaded to %s", node_address(), store.url)

@@ -5,6 +5,12 @@ the web app over HTTP with the run's ingest token (this process holds no databas
 Whatever happens, ``finally`` stops every process of the run, releases the nodes and reports the
 final status with its reason.
 
+Where the run goes is the provider's choice, not the node count's: ``local`` runs every process
+on this machine; any other provider places every process on its nodes through Prefect, one node
+included (``run_placed``). No secret is a parameter: this flow's token comes from its
+environment (local mode) or sealed with the control plane's key (server mode); the nodes get a
+credential of their own, sealed with the run's node key (sealing.py).
+
 Local mode (no Prefect server): ``python -m orchestration.flows.training_run --run-id ...``
 runs it on Prefect's ephemeral engine. Server mode: the `training-run` deployment in
 platform/prefect.yaml, picked up by a worker of the `oolong` process work pool.
@@ -24,14 +30,16 @@ from prefect.cache_policies import NO_CACHE
 
 from orchestration import launchers
 from orchestration.deployments import deploy_node_flows
+from orchestration.model_delivery import publish_model
 from orchestration.placed import PlacedRun, node_pool, online_nodes, wait_nodes_online
 from orchestration.placement import Placement, PlacementError, plan, shared_plan
-from orchestration.providers import NodeInventory, get_provider
+from orchestration.providers import NodeInventory, NodeProvider, get_provider
 from orchestration.providers.base import node_queue
 from orchestration.ray_placement import PlacementCancelled, Reservation, ray_address, reserve
+from orchestration.sealing import NODE, RunCredential
 from orchestration.supervise import Outcome, supervise
 from orchestration.tracker import Tracker
-from orchestration.trigger import flow_run_dir, sweep_dir
+from orchestration.trigger import flow_credential, flow_run_dir, sweep_dir
 from training_core.checkpoint import current_weights
 from training_core.config import RunSpec
 from training_core.launch import (
@@ -43,7 +51,7 @@ from training_core.launch import (
     server_process,
     trainer_command,
 )
-from training_core.models.paths import run_model_dir
+from training_core.models.paths import run_model_dir, spec_model_dir
 from training_core.ports import free_port
 from training_core.processes import Fleet, ManagedProcess, stop_all
 from training_core.transport.rollout_client import RolloutClient
@@ -62,10 +70,16 @@ def provision_nodes(provider_name: str, run_id: int, spec: dict) -> NodeInventor
 
 
 @task(name="prepare-run", cache_policy=NO_CACHE)  # side effects: never cached
-def prepare_run(tracker_url: str, token: str, run_dir: Path) -> tuple[RunSpec, Path]:
+def prepare_run(cred: RunCredential, run_dir: Path) -> tuple[RunSpec, Path]:
     from training_core.remote_run import prepare_remote_run
 
-    return prepare_remote_run(tracker_url, token, run_dir)
+    return prepare_remote_run(cred.tracker_url, cred.token, run_dir)
+
+
+@task(name="deliver-model", cache_policy=NO_CACHE)  # side effects: never cached
+def deliver_model(store_url: str, run_id: int, spec: RunSpec) -> str:
+    """The model the spec names, into the run's store once (the nodes fetch it by hash)."""
+    return publish_model(store_url, f"run-{run_id}", spec_model_dir(spec))
 
 
 @task(name="warm-start", cache_policy=NO_CACHE)  # side effects: never cached
@@ -165,6 +179,45 @@ def placement_event(tracker: Tracker, placement: Placement, how: str = "") -> No
                                + "; ".join(placement.describe()), plan=placement.as_dict())
 
 
+def prepare_placed(prov: NodeProvider, run_id: int, cred: RunCredential, spec: RunSpec,
+                   inventory: NodeInventory, tracker: Tracker) -> PlacedRun | None:
+    """Everything a run on nodes needs before its first process: the nodes' own credential
+    (sealed with the run's node key), the model in the run's store, the provider's nodes online
+    when they are the run's own (cloud nodes boot for minutes after ``terraform apply``), and the
+    placement (refused here, before any process, when it cannot fit). None: cancelled meanwhile."""
+    node_token = tracker.node_credential(prov.name)
+    sealed = RunCredential(run_id, cred.tracker_url, node_token).seal(
+        prov.node_key(run_id), purpose=NODE)
+    store = prov.store_url(spec.model_dump(mode="json"))
+    model_sha256 = ""
+    if store:
+        model_sha256 = deliver_model(store, run_id, spec)
+        tracker.event("model", f"model {spec.model.path} in the run's store (manifest sha256 "
+                               f"{model_sha256}): every node fetches and checks it",
+                      sha256=model_sha256)
+    else:
+        tracker.event("model", f"no store for the run: each node resolves model.path "
+                               f"{spec.model.path!r} itself")
+    pool = node_pool(run_id, inventory)
+    orch = spec.orchestration
+    if inventory.meta.get("dedicated"):
+        every = list(range(len(inventory.nodes)))
+        tracker.event("nodes", f"waiting for the run's {len(every)} node(s) to come up in pool "
+                               f"{pool} (at most {orch.nodes_online_timeout_s:.0f}s)")
+        if not wait_nodes_online(pool, every, timeout_s=orch.nodes_online_timeout_s,
+                                 fresh_s=orch.worker_lost_after_s,
+                                 cancelled=tracker.cancel_requested):
+            return None
+    try:
+        placement, held, how = place_on_nodes(spec, inventory, run_id,
+                                              cancelled=tracker.cancel_requested)
+    except PlacementCancelled:
+        return None
+    placement_event(tracker, placement, how)
+    return PlacedRun(run_id, sealed, spec, inventory, placement, pool, reservation=held,
+                     model_sha256=model_sha256, server_key=derive_server_key(node_token))
+
+
 def run_placed(placed: PlacedRun, tracker: Tracker, *, resume: bool = False) -> Outcome:
     """The run across nodes: once the nodes' workers are online, servers on theirs, then one
     trainer launcher per trainer node. A lost node or process is recovered automatically: the
@@ -231,10 +284,15 @@ def _placed_attempt(placed: PlacedRun, tracker: Tracker, *, resume: bool) -> Out
 
 
 @flow(name="training-run", log_prints=True)
-def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str = "local",
-                 resume: bool = False) -> str:
+def training_run(run_id: int, provider: str = "local", resume: bool = False, sealed: str = "",
+                 tracker_url: str = "") -> str:
+    """``sealed``: the run's credential and the web app's URL, sealed with the control plane's
+    key (server mode); else the token comes from ``OOLONG_INGEST_TOKEN`` and the URL is
+    ``tracker_url`` (local mode). Never the token itself: parameters are readable through
+    Prefect's API."""
     logger = get_run_logger()
-    tracker = Tracker(tracker_url, ingest_token)
+    cred = flow_credential(run_id, sealed=sealed, tracker_url=tracker_url)
+    tracker = Tracker(cred.tracker_url, cred.token)
     run_dir = flow_run_dir(run_id)
     procs = RunProcesses()
     placed: PlacedRun | None = None
@@ -249,18 +307,12 @@ def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str
         how = f"provider {provider}" + (", resuming from the latest checkpoint" if resume else "")
         tracker.event("flow", f"flow started ({how}); run directory {run_dir}")
         inventory = provision_nodes(provider, run_id, info["spec"])
-        spec, spec_path = prepare_run(tracker_url, ingest_token, run_dir)
-        if len(inventory.nodes) > 1:  # every process on a node's work queue
-            # refused here, before any process, if it cannot fit
-            try:
-                placement, held, how = place_on_nodes(spec, inventory, run_id,
-                                                      cancelled=tracker.cancel_requested)
-            except PlacementCancelled:
+        spec, spec_path = prepare_run(cred, run_dir)
+        if provider != "local":  # every process on a node's work queue, one node included
+            placed = prepare_placed(prov, run_id, cred, spec, inventory, tracker)
+            if placed is None:
                 outcome = Outcome("cancelled", "cancelled by user")
                 return outcome.status
-            placed = PlacedRun(run_id, tracker_url, ingest_token, spec, inventory,
-                               placement, node_pool(run_id, inventory), reservation=held)
-            placement_event(tracker, placement, how)
             outcome = run_placed(placed, tracker, resume=resume)
             return outcome.status
         try:  # refused here, before any process, if it cannot fit
@@ -278,7 +330,7 @@ def training_run(run_id: int, tracker_url: str, ingest_token: str, provider: str
                                             if share else ""))
         warm_start(spec, spec_path, run_dir, share)
         # the run's server key, derived from its credential (no second secret travels)
-        key = derive_server_key(ingest_token)
+        key = derive_server_key(cred.token)
         procs.fleet = start_rollout_fleet(spec, run_dir, inventory, placement, key)
         wait_fleet_healthy(procs.fleet)
         tracker.event("fleet", f"{len(procs.fleet.urls)} rollout server(s) healthy",
@@ -326,12 +378,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="run the training-run flow in this process")
     parser.add_argument("--run-id", type=int, required=True)
     parser.add_argument("--tracker-url", required=True)
-    parser.add_argument("--token", default=os.environ.get("OOLONG_INGEST_TOKEN"))
     parser.add_argument("--provider", default="local")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint (a resumed attempt)")
     args = parser.parse_args(argv)
-    status = training_run(args.run_id, args.tracker_url, args.token, args.provider, args.resume)
+    # the run's token: OOLONG_INGEST_TOKEN in this process's environment (never an argument:
+    # visible in ps; never a flow parameter: visible through Prefect's API)
+    status = training_run(args.run_id, args.provider, args.resume, tracker_url=args.tracker_url)
     return 0 if status == "succeeded" else 1
 
 

@@ -22,3 +22,9 @@ class LocalNodeProvider:
 
     def release(self, run_id: int) -> None:
         pass  # nothing was created
+
+    def store_url(self, spec: dict) -> str | None:
+        return None  # the run directory is durable: nothing travels
+
+    def node_key(self, run_id: int) -> str:
+        raise RuntimeError("the local provider places nothing on nodes")

@@ -1,12 +1,18 @@
 """Nodes someone already runs (bring your own machines): each runs a Prefect worker serving its
 queue, ``node-<index>``, in the run's work pool. The list is deployment configuration:
-``OOLONG_STATIC_NODES=10.0.0.5:8,10.0.0.6:8`` (address, optionally ``:gpus``), in queue order."""
+``OOLONG_STATIC_NODES=10.0.0.5:8,10.0.0.6:8`` (address, optionally ``:gpus``), in queue order.
+
+So are the store the nodes and the flows' worker share (``OOLONG_CHECKPOINT_STORE``: the model
+reaches the nodes through it) and the deployment's node key (``OOLONG_NODE_KEY``, on the flows'
+worker and every node: static nodes serve every run placed on them, so they share one key)."""
 
 from __future__ import annotations
 
 import os
 
 from orchestration.providers.base import Node, NodeInventory
+from orchestration.sealing import NODE_KEY_ENV, key_from_env
+from training_core.checkpoint_store import STORE_ENV
 
 NODES_ENV = "OOLONG_STATIC_NODES"
 
@@ -29,3 +35,9 @@ class StaticNodeProvider:
 
     def release(self, run_id: int) -> None:
         pass  # the nodes are not ours to destroy
+
+    def store_url(self, spec: dict) -> str | None:
+        return os.environ.get(STORE_ENV, "").strip() or None
+
+    def node_key(self, run_id: int) -> str:
+        return key_from_env(NODE_KEY_ENV)

@@ -6,6 +6,11 @@ from the run spec's ``orchestration.terraform_vars``, ``terraform init`` + ``app
 flow's ``finally`` whatever happened (success, failure, cancellation, an apply that failed half
 way). Cloud specifics stay in the Terraform modules; this class only knows the CLI and the
 outputs contract (node_addresses, private_addresses, gpus_per_node, ssh_user).
+
+What the spec cannot give, the provider adds to the variables: the exact build the nodes install
+(published in the run's store by hash first: orchestration/builds.py), the run's node key (made
+here, kept beside the run's state, root's only: the flow seals the nodes' credentials with it)
+and the Prefect API's credential (this process's ``PREFECT_API_AUTH_STRING``).
 """
 
 from __future__ import annotations
@@ -17,9 +22,14 @@ import subprocess
 from pathlib import Path
 
 from orchestration.providers.base import Node, NodeInventory
+from orchestration.sealing import new_key
 
 INFRA = Path(__file__).resolve().parents[3] / "infra" / "terraform"
 REQUIRED_VARS = ("region", "availability_zone", "instance_type", "node_count", "prefect_api_url")
+# Where this control plane writes the run's store when it does not reach the bucket as
+# s3://<checkpoint_bucket>/<checkpoint_prefix> (the fake-Terraform tests: a folder).
+STORE_URL_ENV = "OOLONG_TERRAFORM_STORE_URL"
+PREFECT_AUTH_ENV = "PREFECT_API_AUTH_STRING"
 CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
                   "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
 
@@ -47,6 +57,46 @@ class TerraformNodeProvider:
 
     def workspace(self, run_id: int) -> Path:
         return self.root / f"run-{run_id}" / "run"
+
+    def _key_file(self, run_id: int) -> Path:
+        return self.root / f"run-{run_id}" / "node.key"
+
+    def store_url(self, spec: dict) -> str | None:
+        given = (spec.get("orchestration") or {}).get("terraform_vars") or {}
+        bucket = given.get("checkpoint_bucket") or ""
+        if not bucket:
+            return None
+        prefix = str(given.get("checkpoint_prefix") or "oolong").strip("/")
+        return os.environ.get(STORE_URL_ENV) or f"s3://{bucket}/{prefix}"
+
+    def node_key(self, run_id: int) -> str:
+        """The run's node key: made once per run (a resumed attempt on the same workspace keeps
+        it), readable by this user only."""
+        path = self._key_file(run_id)
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(new_key())
+        return path.read_text().strip()
+
+    def _private_vars(self, run_id: int, spec: dict) -> dict:
+        """What the provider adds: the build by hash, the node key, the Prefect credential."""
+        from orchestration.builds import publish_build
+
+        store = self.store_url(spec)
+        if store is None:
+            raise TerraformError(
+                "orchestration.terraform_vars.checkpoint_bucket is empty: cloud nodes get the "
+                "exact build and the run's model through the run's store; name an S3 bucket")
+        auth = os.environ.get(PREFECT_AUTH_ENV, "")
+        if not auth:
+            raise TerraformError(
+                f"{PREFECT_AUTH_ENV} is not set: the nodes' workers present it to the Prefect "
+                "API, which requires authentication in production (PREFECT_SERVER_API_AUTH_STRING "
+                "on the server; docs/orchestration.md)")
+        return {"oolong_build": publish_build(store), "node_key": self.node_key(run_id),
+                "prefect_api_auth_string": auth}
 
     def _require_binary(self) -> str:
         if not self.bin or not Path(self.bin).exists():
@@ -101,19 +151,26 @@ class TerraformNodeProvider:
             raise TerraformError("terraform created no nodes")
         nodes = [Node(address=a, gpus=int(outputs["gpus_per_node"]), ssh_user=outputs["ssh_user"],
                       private_address=p) for a, p in zip(public, private, strict=True)]
-        return NodeInventory(nodes, meta={"provider": "terraform", "outputs": outputs})
+        # dedicated: every node is this run's (the flow waits for all of them before placing)
+        return NodeInventory(nodes, meta={"provider": "terraform", "outputs": outputs,
+                                          "dedicated": True})
 
     # ---- NodeProvider ------------------------------------------------------------------------
 
     def provision(self, run_id: int, spec: dict) -> NodeInventory:
         self._require_binary()
         self._require_credentials()
-        variables = self.render_vars(run_id, spec)
+        variables = {**self.render_vars(run_id, spec), **self._private_vars(run_id, spec)}
         tree = self.workspace(run_id).parent
-        if not tree.exists():  # the modules travel with the workspace: relative sources resolve
-            shutil.copytree(self.infra, tree, ignore=shutil.ignore_patterns(".terraform", "*.tfstate*"))
+        if not (tree / "run").exists():  # the modules travel with the workspace
+            shutil.copytree(self.infra, tree, ignore=shutil.ignore_patterns(".terraform", "*.tfstate*"),
+                            dirs_exist_ok=True)
         ws = self.workspace(run_id)
-        (ws / "run.tfvars.json").write_text(json.dumps(variables, indent=2))
+        # secrets inside (the node key, the Prefect credential): this user's only
+        tfvars = ws / "run.tfvars.json"
+        tfvars.unlink(missing_ok=True)
+        with os.fdopen(os.open(tfvars, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as fh:
+            fh.write(json.dumps(variables, indent=2))
         self._run(["init", "-input=false", "-no-color"], ws, "init")
         self._run(["apply", "-auto-approve", "-input=false", "-no-color", "-var-file=run.tfvars.json"],
                   ws, "apply")

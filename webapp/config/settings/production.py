@@ -40,3 +40,13 @@ if CACHES["default"]["BACKEND"].endswith("LocMemCache"):  # noqa: F405
     raise ImproperlyConfigured(
         "DJANGO_CACHE_URL is not set: production needs a cache shared by every web process (the "
         "login throttle counts failures in it), e.g. DJANGO_CACHE_URL=redis://127.0.0.1:6379/2")
+
+# Prefect in server mode: authenticated, and no token in a flow parameter (integrations/prefect.py).
+_prefect_missing = prefect_server_missing()  # noqa: F405
+if _prefect_missing:
+    raise ImproperlyConfigured(
+        f"OOLONG_PREFECT_MODE=server needs {', '.join(_prefect_missing)}: the Prefect server "
+        "requires authentication (PREFECT_SERVER_API_AUTH_STRING=user:password on the server, "
+        "PREFECT_API_AUTH_STRING the same on every client) and flows get their token sealed with "
+        "OOLONG_CONTROL_KEY (`python -m orchestration.sealing` makes one; the flows' worker needs "
+        "the same); see docs/orchestration.md")

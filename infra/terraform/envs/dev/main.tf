@@ -28,15 +28,20 @@ module "control_plane" {
 }
 
 module "gpu_pool" {
-  source              = "../../modules/gpu_node_pool"
-  name                = "oolong-dev-gpu"
-  region              = var.region
-  availability_zone   = var.availability_zone
-  instance_type       = var.gpu_instance_type
-  node_count          = var.gpu_node_count
-  spot                = true
-  prefect_api_url     = var.prefect_api_url
-  work_pool           = "oolong-dev"
-  control_plane_cidrs = var.control_plane_cidrs
-  tags                = { environment = "dev" }
+  source            = "../../modules/gpu_node_pool"
+  name              = "oolong-dev-gpu"
+  region            = var.region
+  availability_zone = var.availability_zone
+  instance_type     = var.gpu_instance_type
+  node_count        = var.gpu_node_count
+  spot              = true
+  prefect_api_url   = var.prefect_api_url
+  work_pool         = "oolong-dev"
+  # A standing pool serves static runs: the build its nodes install (by hash), the deployment's
+  # node key (OOLONG_NODE_KEY, as on the flow's worker) and the Prefect API credential.
+  oolong_build            = var.oolong_build
+  node_key                = var.node_key
+  prefect_api_auth_string = var.prefect_api_auth_string
+  control_plane_cidrs     = var.control_plane_cidrs
+  tags                    = { environment = "dev" }
 }

@@ -53,3 +53,24 @@ variable "prefect_api_url" {
   type        = string
   description = "Prefect server API URL."
 }
+
+variable "oolong_build" {
+  type = object({
+    wheel              = object({ url = string, sha256 = string })
+    constraints        = object({ url = string, sha256 = string })
+    sglang_constraints = object({ url = string, sha256 = string })
+  })
+  description = "The build the standing nodes install, each file's URL and sha256: `python -m orchestration.builds --store s3://<bucket>/<prefix>` publishes them and prints this value."
+}
+
+variable "node_key" {
+  type        = string
+  sensitive   = true
+  description = "The deployment's node key (OOLONG_NODE_KEY on the flow's worker and every static node)."
+}
+
+variable "prefect_api_auth_string" {
+  type        = string
+  sensitive   = true
+  description = "The Prefect API's basic-auth credential (user:password) the nodes' workers present."
+}

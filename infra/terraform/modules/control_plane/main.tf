@@ -172,6 +172,14 @@ resource "random_password" "redis" {
   special = false
 }
 
+# The Prefect API's credential (basic auth, user:password): the control plane's Prefect server
+# requires it (PREFECT_SERVER_API_AUTH_STRING), and every client presents it
+# (PREFECT_API_AUTH_STRING): the web app's Celery workers, the flows' worker, the GPU nodes.
+resource "random_password" "prefect_api" {
+  length  = 40
+  special = false
+}
+
 resource "aws_iam_role" "app" {
   name = "${var.name}-app"
   assume_role_policy = jsonencode({

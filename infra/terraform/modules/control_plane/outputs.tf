@@ -22,3 +22,9 @@ output "app_security_group_id" {
   description = "Security group of the application host (allow it on the GPU pools' rollout port)."
   value       = aws_security_group.app.id
 }
+
+output "prefect_api_auth_string" {
+  description = "The Prefect API's basic-auth credential: PREFECT_SERVER_API_AUTH_STRING on the Prefect server, PREFECT_API_AUTH_STRING on its clients (docs/orchestration.md)."
+  value       = "oolong:${random_password.prefect_api.result}"
+  sensitive   = true
+}

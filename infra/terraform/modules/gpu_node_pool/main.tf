@@ -5,7 +5,16 @@ locals {
     "g6.xlarge" = 1, "g6.12xlarge" = 4, "p4d.24xlarge" = 8, "p5.48xlarge" = 8
   }
   gpus = var.gpus_per_node > 0 ? var.gpus_per_node : lookup(local.known_gpus, var.instance_type, 1)
-  tags = merge({ "oolong:pool" = var.name, "managed-by" = "oolong-terraform" }, var.tags)
+  # Elastic Fabric Adapters per instance type, one per network card (docs/clusters.md, "Cloud
+  # nodes and interconnect"): NCCL between nodes over EFA instead of TCP. Types not named here
+  # have none (g5, g6: NCCL over TCP sockets).
+  efa_per_type = {
+    "p4d.24xlarge"  = 4, "p4de.24xlarge" = 4, "p5.48xlarge" = 32, "p5e.48xlarge" = 32,
+    "p5en.48xlarge" = 16
+  }
+  efa_count = var.efa ? lookup(local.efa_per_type, var.instance_type, 0) : 0
+  efa       = local.efa_count > 0
+  tags      = merge({ "oolong:pool" = var.name, "managed-by" = "oolong-terraform" }, var.tags)
   # The store URL the nodes get; the run's folder (checkpoint_run_key) is added by the
   # orchestration's CheckpointStore under it.
   store_root   = trim(var.checkpoint_prefix, "/")
@@ -263,7 +272,9 @@ resource "aws_iam_role_policy_attachment" "ssm" {
 }
 
 # The durable checkpoint store: this run's prefix of the bucket and nothing else (no other
-# run's checkpoints, no bucket-wide listing).
+# run's checkpoints, no bucket-wide listing); and, read-only, the builds the control plane
+# publishes there by their hash (<prefix>/builds/<sha256>/: Oolong's wheel and its pins, our own
+# code, the same for every run of one tree; orchestration/builds.py).
 resource "aws_iam_role_policy" "checkpoints" {
   count = var.checkpoint_bucket != "" ? 1 : 0
   name  = "${var.name}-checkpoints"
@@ -276,6 +287,12 @@ resource "aws_iam_role_policy" "checkpoints" {
         Effect   = "Allow"
         Action   = ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"]
         Resource = "arn:aws:s3:::${var.checkpoint_bucket}/${local.store_prefix}/*"
+      },
+      {
+        Sid      = "ReadBuilds"
+        Effect   = "Allow"
+        Action   = "s3:GetObject"
+        Resource = "arn:aws:s3:::${var.checkpoint_bucket}/${join("/", compact([local.store_root, "builds"]))}/*"
       },
       {
         Sid       = "ListRunPrefix"
@@ -293,19 +310,54 @@ resource "aws_iam_instance_profile" "node" {
   role = aws_iam_role.node.name
 }
 
+# EFA: one interface per network card of each node (card 0 is the node's primary interface,
+# with node 0's fixed address), in the pool's subnet and security group (which lets the pool
+# talk to itself on every protocol, as EFA requires).
+resource "aws_network_interface" "efa" {
+  count           = var.node_count * local.efa_count
+  subnet_id       = aws_subnet.pool.id
+  security_groups = [aws_security_group.pool.id]
+  interface_type  = "efa"
+  private_ips     = count.index == 0 ? [local.ray_head_ip] : null
+  description     = "${var.name} node ${floor(count.index / max(local.efa_count, 1))} EFA card ${count.index % max(local.efa_count, 1)}"
+  tags            = merge(local.tags, { Name = "${var.name}-node-${floor(count.index / max(local.efa_count, 1))}-efa-${count.index % max(local.efa_count, 1)}" })
+}
+
+# An instance with several interfaces gets no automatic public address: each EFA node's primary
+# interface gets one of its own (package registries, the control plane without peering).
+resource "aws_eip" "efa" {
+  count             = local.efa ? var.node_count : 0
+  domain            = "vpc"
+  network_interface = aws_network_interface.efa[count.index * local.efa_count].id
+  tags              = merge(local.tags, { Name = "${var.name}-node-${count.index}" })
+  depends_on        = [aws_internet_gateway.pool, aws_instance.node] #checkov:skip=CKV2_AWS_19:attached to the node's primary network interface
+}
+
 resource "aws_instance" "node" {
-  count                       = var.node_count
-  ami                         = var.ami_id != "" ? var.ami_id : data.aws_ami.deep_learning[0].id
-  instance_type               = var.instance_type
-  subnet_id                   = aws_subnet.pool.id
-  private_ip                  = count.index == 0 ? local.ray_head_ip : null
-  vpc_security_group_ids      = [aws_security_group.pool.id]
+  count         = var.node_count
+  ami           = var.ami_id != "" ? var.ami_id : data.aws_ami.deep_learning[0].id
+  instance_type = var.instance_type
+  # Without EFA: one interface, made here. With EFA: the cards' interfaces above, and these
+  # three come from them.
+  subnet_id                   = local.efa ? null : aws_subnet.pool.id
+  private_ip                  = local.efa ? null : (count.index == 0 ? local.ray_head_ip : null)
+  vpc_security_group_ids      = local.efa ? null : [aws_security_group.pool.id]
   placement_group             = aws_placement_group.pool.id
   key_name                    = var.ssh_key_name != "" ? var.ssh_key_name : null
   iam_instance_profile        = aws_iam_instance_profile.node.name
-  associate_public_ip_address = true #checkov:skip=CKV_AWS_88:nodes reach package registries and the control plane; ingress is limited by the security group
+  associate_public_ip_address = local.efa ? null : true #checkov:skip=CKV_AWS_88:nodes reach package registries and the control plane; ingress is limited by the security group
   ebs_optimized               = true
   monitoring                  = true
+
+  dynamic "network_interface" {
+    for_each = range(local.efa_count)
+    content {
+      network_interface_id = aws_network_interface.efa[count.index * local.efa_count + network_interface.value].id
+      network_card_index   = network_interface.value
+      # AWS: the primary interface is device 0 of card 0; every other card's EFA is device 1
+      device_index = network_interface.value == 0 ? 0 : 1
+    }
+  }
 
   dynamic "instance_market_options" {
     for_each = var.spot ? [1] : []
@@ -331,18 +383,21 @@ resource "aws_instance" "node" {
   }
 
   user_data = templatefile("${path.module}/cloud-init.yaml.tftpl", {
-    oolong_package   = var.oolong_package
-    sglang_version   = var.sglang_version
-    prefect_api_url  = var.prefect_api_url
-    work_pool        = var.work_pool
-    node_index       = count.index
-    gpus             = local.gpus
-    ray_head_address = local.ray_head_ip
-    ray_port         = var.ray_port
-    ray_client_port  = var.ray_client_port
-    port_range       = "${var.server_port_range.from}-${var.server_port_range.to}"
-    checkpoint_store = local.store_url
-    runs_dir         = "/opt/oolong/runs"
+    oolong_build            = var.oolong_build
+    sglang_version          = var.sglang_version
+    prefect_api_url         = var.prefect_api_url
+    prefect_api_auth_string = var.prefect_api_auth_string
+    node_key                = var.node_key
+    efa                     = local.efa
+    work_pool               = var.work_pool
+    node_index              = count.index
+    gpus                    = local.gpus
+    ray_head_address        = local.ray_head_ip
+    ray_port                = var.ray_port
+    ray_client_port         = var.ray_client_port
+    port_range              = "${var.server_port_range.from}-${var.server_port_range.to}"
+    checkpoint_store        = local.store_url
+    runs_dir                = "/opt/oolong/runs"
   })
 
   tags = merge(local.tags, { Name = "${var.name}-node-${count.index}" })

@@ -1,6 +1,6 @@
 output "node_addresses" {
   description = "Public addresses of the nodes, in node order (node 0 is the head)."
-  value       = aws_instance.node[*].public_ip
+  value       = local.efa ? aws_eip.efa[*].public_ip : aws_instance.node[*].public_ip
 }
 
 output "private_addresses" {
@@ -30,5 +30,10 @@ output "security_group_id" {
 
 output "ray_address" {
   description = "The run's Ray cluster as the control plane reaches it (Ray Client on node 0; its private address when peered)."
-  value       = "ray://${local.peered ? local.ray_head_ip : aws_instance.node[0].public_ip}:${var.ray_client_port}"
+  value       = "ray://${local.peered ? local.ray_head_ip : (local.efa ? aws_eip.efa[0].public_ip : aws_instance.node[0].public_ip)}:${var.ray_client_port}"
+}
+
+output "efa_interfaces" {
+  description = "Elastic Fabric Adapters on each node (0: NCCL over TCP); see docs/clusters.md."
+  value       = local.efa_count
 }

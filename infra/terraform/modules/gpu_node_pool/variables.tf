@@ -150,14 +150,52 @@ variable "checkpoint_run_key" {
 
 variable "sglang_version" {
   type        = string
-  description = "SGLang release for the rollout servers, installed in its own environment (/opt/sglang): it pins a torch the trainer's does not. Empty = no SGLang (embedded servers)."
+  description = "SGLang release for the rollout servers, installed in an environment of its own (/opt/sglang/venv, Python 3.11, pinned by constraints-sglang.txt): its pins are not the trainer's, but its torch is (one NCCL). Empty = no SGLang (embedded servers)."
   default     = "0.5.23"
 }
 
-variable "oolong_package" {
+variable "oolong_build" {
+  type = object({
+    wheel              = object({ url = string, sha256 = string })
+    constraints        = object({ url = string, sha256 = string })
+    sglang_constraints = object({ url = string, sha256 = string })
+  })
+  description = "The exact build the nodes install, each file a URL (s3:// in the run's store, read with the node role; https:// or file://) and its sha256, checked before anything installs it: the control plane's wheel of Oolong, the pins of the trainer's environment (constraints-gpu.txt) and of SGLang's (constraints-sglang.txt). Written by the orchestration (orchestration/builds.py publish_build)."
+  validation {
+    # Each URL goes into a root shell command: a plain URL, no query, quote, space or expansion.
+    condition     = alltrue([for f in values(var.oolong_build) : can(regex("^(s3|https|file)://[A-Za-z0-9._~:/@%+=,-]+$", f.url)) && can(regex("^[0-9a-f]{64}$", f.sha256))])
+    error_message = "oolong_build: every file needs an s3://, https:// or file:// URL (letters, digits and ._~:/@%+=,- only) and a sha256 of 64 lowercase hex digits."
+  }
+  validation {
+    condition     = endswith(var.oolong_build.wheel.url, ".whl")
+    error_message = "oolong_build.wheel.url must name a wheel file (…/oolong-<version>-py3-none-any.whl): pip installs it by its file name."
+  }
+}
+
+variable "node_key" {
   type        = string
-  description = "pip requirement that installs Oolong (trainer and node flows), e.g. 'oolong[core,orchestration]==0.1.0'; SGLang goes to its own environment (sglang_version)."
-  default     = "oolong[core,orchestration]"
+  sensitive   = true
+  description = "The run's node key (OOLONG_NODE_KEY): the flow seals each node process's run credential with it, so only this run's nodes can open what the Prefect API shows every client. One per run, made by the orchestration."
+  validation {
+    condition     = can(regex("^[A-Za-z0-9_-]{43}=?$", var.node_key))
+    error_message = "node_key must be 32 bytes in urlsafe base64 (orchestration/sealing.py new_key)."
+  }
+}
+
+variable "prefect_api_auth_string" {
+  type        = string
+  sensitive   = true
+  description = "The Prefect API's basic-auth credential (user:password) the node's worker presents (PREFECT_API_AUTH_STRING); the control plane's server requires it (PREFECT_SERVER_API_AUTH_STRING)."
+  validation {
+    condition     = can(regex("^[A-Za-z0-9._~@+=/-]+:[A-Za-z0-9._~:@+=/-]{16,}$", var.prefect_api_auth_string))
+    error_message = "prefect_api_auth_string must be user:password with a password of at least 16 characters (no space, quote or $)."
+  }
+}
+
+variable "efa" {
+  type        = bool
+  description = "Give each node its instance type's Elastic Fabric Adapters (p4d: 4, p5: 32, p5en: 16; none elsewhere) and NCCL the libfabric environment for them; false: NCCL over TCP on every type."
+  default     = true
 }
 
 variable "prefect_api_url" {
