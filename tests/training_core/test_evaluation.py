@@ -49,7 +49,7 @@ def test_offline_evaluation_never_runs_user_reward_code(tiny_model_dir, tmp_path
 
 
 def test_an_eval_row_too_long_for_the_server_is_counted_not_fatal(server, tiny_model_dir):
-    """One eval prompt longer than the model's context: the server refuses that request, the
+    """One eval prompt longer than the model's context: the client refuses it by the servers' length rule, the
     evaluation scores the row 0 and counts it in eval/errors, and the other rows are scored."""
     import asyncio
 
@@ -84,6 +84,7 @@ def test_an_eval_row_too_long_for_the_server_is_counted_not_fatal(server, tiny_m
     errors: list[str] = []
     metrics = asyncio.run(run())
     assert metrics[EVAL_ERRORS] == 1.0
-    assert len(errors) == 1 and "shorter input" in errors[0]  # the server's reason, passed on
+    # refused by the servers' own length rule (their max_req_input_len), named in the reason
+    assert len(errors) == 1 and "PromptTooLong" in errors[0] and "max_req_input_len" in errors[0]
     # the failed row counts as wrong: 3 of 4 right, the denominator keeps every row
     assert metrics["eval/accuracy"] == pytest.approx(3 / 4)

@@ -66,10 +66,10 @@ def test_models_and_a_completion(gw):
 
 def test_streaming_gives_the_same_completion_in_chunks(gw):
     session = gw.open()
+    streamed = gw.engine.streamed  # before the request: the gateway may stream before create returns
     stream = _client(gw, session).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "2+2="}], stream=True,
         stream_options={"include_usage": True})
-    streamed = gw.engine.streamed
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     _, resp = gw.engine.calls[-1]
