@@ -4,8 +4,10 @@
     oolong train --resume runs/demo-20261122-101500
     oolong sft --config run.yaml --out runs/demo/initial_model --seconds 30
     oolong serve --model-path DIR --port 30000      # the embedded rollout server
+    oolong export runs/demo --version best --out models/demo-best   # a Hugging Face folder
     oolong runs create|list|watch|cancel|compare    # a remote Oolong server (REST API)
     oolong sweeps create|list|show|compare         # runs that differ in one or two fields
+    oolong models list|show|download               # exported versions in the web app's registry
 """
 
 from __future__ import annotations
@@ -80,6 +82,20 @@ def cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from training_core.export import ExportError, export_version
+
+    try:
+        result = export_version(args.run, args.version, args.out)
+    except ExportError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    where = f"step {result.step}, " if result.step is not None else ""
+    print(f"exported version {result.version} ({where}from the {result.source} weights) "
+          f"to {result.out}")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from training_core.rollout_server.server import main as serve_main
 
@@ -105,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true")
     s.add_argument("overrides", nargs="*")
     s.set_defaults(fn=cmd_sft)
+    e = sub.add_parser("export", help="write one policy version of a run as a Hugging Face folder")
+    e.add_argument("run", help="the run directory")
+    e.add_argument("--version", default="latest",
+                   help="a version number, 'latest' (the newest held) or 'best' (the best "
+                        "held-out greedy accuracy recorded)")
+    e.add_argument("--out", required=True, help="a new (or empty) folder to write")
+    e.set_defaults(fn=cmd_export)
     # The server parses its own flags (python -m training_core.rollout_server.server --help):
     # argparse's REMAINDER does not take a first argument that looks like an option, so
     # `oolong serve --model-path DIR` was "unrecognized arguments"; parse() hands them on.

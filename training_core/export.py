@@ -1,0 +1,321 @@
+"""Getting a trained model out: one policy version of a run as a Hugging Face folder.
+
+A run keeps a version's weights in one of three places (:func:`weight_sources`):
+
+- ``weights/v<N>/model.safetensors``: what the rollout servers loaded for version N, in the
+  dtype they served (the disk sync keeps the last two versions; the others are written over);
+- ``checkpoints/step<S>/``: the trainer's DeepSpeed checkpoint of step S, whose version the
+  step's metrics line names (``metrics.jsonl``); its fp32 weights, checked against the version
+  the checkpoint itself recorded when it is read;
+- version 0 is the run's starting model (``initial_model`` or ``model.path``).
+
+:func:`export_version` writes the chosen version as a folder ``transformers`` loads as it is:
+``model.safetensors`` and ``config.json`` in the run's dtype, the tokenizer with its chat
+template, a ``generation_config.json`` with the run's sampling, ``oolong.json`` (the lineage as
+data) and a model card, ``README.md``. The folder is written beside ``out`` and renamed into
+place, so it is whole or absent. Nothing here imports the web app: it passes what only it knows
+(dataset and reward versions, the tracker's evaluations) as ``lineage`` and ``evaluations``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from training_core import __version__, metric_names
+from training_core.checkpoint import checkpoint_dir, complete_checkpoints, pushed_weights
+from training_core.config import RunSpec, load_spec
+from training_core.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+LINEAGE_FILE = "oolong.json"
+SELECTORS = ("latest", "best")
+# The held-out metric `best` ranks by (greedy accuracy on the run's eval rows).
+BEST_BY = metric_names.EVAL_ACCURACY
+
+
+class ExportError(ValueError):
+    """A request that cannot be exported as asked; ``field`` names what to change."""
+
+    def __init__(self, message: str, *, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    version: int
+    kind: str  # "pushed" | "checkpoint" | "initial"
+    path: Path
+    step: int | None = None  # the training step that produced it (None: not known)
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    version: int
+    step: int | None
+    source: str
+    evaluation: dict[str, float] = field(default_factory=dict)
+    lineage: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- which versions a run holds ------------------------------------------------------------------
+
+def step_versions(run_dir: str | Path) -> dict[int, int]:
+    """step -> the policy version after it, from ``metrics.jsonl`` (step 0: version 0)."""
+    return {int(r["step"]): int(r["version"]) for r in read_metrics(run_dir)
+            if "step" in r and "version" in r}
+
+
+def weight_sources(run_dir: str | Path) -> dict[int, WeightSource]:
+    """Every version whose weights the run directory still holds, newest source preferred:
+    the served file over a checkpoint (it is exactly what the servers answered with)."""
+    run_dir = Path(run_dir)
+    versions = step_versions(run_dir)
+    step_of = {v: s for s, v in sorted(versions.items())}  # a version's last step
+    found = {0: WeightSource(0, "initial", run_dir, 0)}
+    for step, tag in complete_checkpoints(run_dir):
+        if step in versions:  # a checkpoint without its metrics line has no known version
+            v = versions[step]
+            found[v] = WeightSource(v, "checkpoint", checkpoint_dir(run_dir) / tag, step)
+    for v, folder in pushed_weights(run_dir):
+        found[v] = WeightSource(v, "pushed", folder, step_of.get(v))
+    return dict(sorted(found.items()))
+
+
+def recorded_evaluations(run_dir: str | Path) -> dict[int, dict[str, float]]:
+    """version -> the held-out evaluation metrics (``eval/*``) recorded at it in metrics.jsonl."""
+    out: dict[int, dict[str, float]] = {}
+    for r in read_metrics(run_dir):
+        evals = {k: v for k, v in r.items() if k.startswith("eval/") and isinstance(v, int | float)}
+        if evals and "version" in r:
+            out.setdefault(int(r["version"]), {}).update(evals)
+    return out
+
+
+def resolve_version(selector: int | str, sources: dict[int, WeightSource],
+                    evaluations: dict[int, dict[str, float]]) -> int:
+    """``latest`` (the newest version held), ``best`` (the best held-out greedy accuracy among
+    the versions held; a tie goes to the newer version) or a version number."""
+    held = sorted(sources)
+    if selector == "latest":
+        return held[-1]
+    if selector == "best":
+        scored = {v: e[BEST_BY] for v, e in evaluations.items() if BEST_BY in e}
+        if not scored:
+            raise ExportError(f"--version best: no held-out evaluation ({BEST_BY}) is recorded "
+                              "for this run (eval.every was 0, or no eval rows); give a version "
+                              "number or 'latest'", field="version")
+        candidates = [v for v in held if v in scored]
+        if not candidates:
+            raise ExportError(f"--version best: the evaluated versions {sorted(scored)} are no "
+                              f"longer held (weights held: {held}); give one of those",
+                              field="version")
+        return max(candidates, key=lambda v: (scored[v], v))
+    try:
+        version = int(selector)
+    except (TypeError, ValueError):
+        raise ExportError(f"--version {selector!r}: a version number, 'latest' or 'best'",
+                          field="version") from None
+    if version not in sources:
+        raise ExportError(f"--version {version}: the run holds no weights of that version "
+                          f"(held: {held}; pushed weights keep the last two versions, "
+                          "checkpoint.keep the newest checkpoints)", field="version")
+    return version
+
+
+# ---- reading a version's weights -----------------------------------------------------------------
+
+def load_state(source: WeightSource) -> dict[str, Any] | None:
+    """The version's tensors by parameter name; None for the starting model (nothing to apply)."""
+    if source.kind == "initial":
+        return None
+    if source.kind == "pushed":
+        from safetensors.torch import load_file
+
+        return load_file(str(source.path / "model.safetensors"))
+    return _checkpoint_state(source)
+
+
+def _checkpoint_state(source: WeightSource) -> dict[str, Any]:
+    """The fp32 weights of a DeepSpeed checkpoint. Read with ``weights_only`` (only tensors,
+    containers and the numpy RNG state the trainer saves): a checkpoint written on a node must
+    not run code in the process that exports it."""
+    import numpy as np
+    import torch
+
+    path = source.path / "mp_rank_00_model_states.pt"
+    if not path.exists():
+        raise ExportError(f"checkpoint {source.path} has no mp_rank_00_model_states.pt",
+                          field="version")
+    allowed = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype("uint32"))]
+    with torch.serialization.safe_globals(allowed):
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    if saved.get("version") != source.version:
+        raise ExportError(f"checkpoint {source.path} holds version {saved.get('version')}, "
+                          f"not {source.version} as metrics.jsonl says", field="version")
+    module = saved.get("module") or {}
+    if not module or any(t.numel() == 0 for t in module.values()):
+        # ZeRO-3 keeps the weights in the optimizer's partitions; DeepSpeed gathers them.
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        module = get_fp32_state_dict_from_zero_checkpoint(str(source.path.parent),
+                                                          tag=source.path.name)
+    return dict(module)
+
+
+# ---- writing the folder ------------------------------------------------------------------------
+
+def export_version(run_dir: str | Path, version: int | str, out: str | Path, *,
+                   lineage: dict[str, Any] | None = None,
+                   evaluations: dict[int, dict[str, float]] | None = None) -> ExportResult:
+    """Write ``version`` of the run in ``run_dir`` to the new folder ``out`` (see the module
+    doc). ``evaluations`` (version -> metrics) replaces metrics.jsonl's where the caller holds
+    the record (the web app's tracker); ``lineage`` adds what the run directory does not know."""
+    from training_core.models.loading import DTYPES, load_model, load_tokenizer
+    from training_core.models.paths import run_model_dir
+
+    run_dir, out = Path(run_dir), Path(out)
+    if not (run_dir / "spec.yaml").exists():
+        raise ExportError(f"{run_dir}: no spec.yaml there (is it a run directory?)", field="run")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"--out {out}: already exists and is not an empty folder; choose a "
+                          "new one", field="out")
+    spec = load_spec(run_dir / "spec.yaml")
+    sources = weight_sources(run_dir)
+    evaluations = recorded_evaluations(run_dir) if evaluations is None else evaluations
+    v = resolve_version(version, sources, evaluations)
+    source = sources[v]
+    model_dir = run_model_dir(spec, run_dir)
+
+    model = load_model(model_dir, "float32")
+    state = load_state(source)
+    if state is not None:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        if unexpected or set(missing) - ({"lm_head.weight"} if tied else set()):
+            raise ExportError(f"the weights of version {v} ({source.path}) do not fit the run's "
+                              f"model {model_dir}: missing {sorted(missing)[:5]}, unexpected "
+                              f"{sorted(unexpected)[:5]}", field="version")
+        if tied:
+            model.tie_weights()
+    model = model.to(DTYPES[spec.model.dtype])  # what the servers served (bf16 runs: bf16)
+    model.config.use_cache = True
+
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        load_tokenizer(model_dir).save_pretrained(tmp)  # with its chat template
+        generation_config(spec, model).save_pretrained(tmp)
+        record = lineage_record(spec, run_dir, source, evaluations.get(v, {}), model_dir,
+                                lineage or {})
+        (tmp / LINEAGE_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        (tmp / "README.md").write_text(model_card(record))
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportResult(out, v, source.step, source.kind, record["evaluation"], record)
+
+
+def generation_config(spec: RunSpec, model: Any) -> Any:
+    """The run's sampling as ``generate`` defaults (RL sampled at these; greedy evaluation is
+    ``do_sample=False``). top_k 0 is transformers' "off", the spec's is -1."""
+    from transformers import GenerationConfig
+
+    r = spec.rollout
+    gen = GenerationConfig.from_model_config(model.config)
+    gen.max_new_tokens = r.max_new_tokens
+    gen.do_sample = r.temperature > 0
+    if gen.do_sample:
+        gen.temperature, gen.top_p, gen.top_k = r.temperature, r.top_p, max(r.top_k, 0)
+    return gen
+
+
+def code_version() -> dict[str, str]:
+    """The package version, and the git commit of this checkout where there is one."""
+    out = {"oolong": __version__}
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        out["commit"] = commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass  # an installed package without its repository
+    return out
+
+
+def lineage_record(spec: RunSpec, run_dir: Path, source: WeightSource, evaluation: dict[str, float],
+                   model_dir: Path, extra: dict[str, Any]) -> dict[str, Any]:
+    warm = (run_dir / "initial_model" / "config.json").exists()
+    extra = dict(extra)  # the caller's stays as it was
+    return {
+        "run": {"name": spec.name, "dir": str(run_dir.resolve()), **extra.pop("run", {})},
+        "version": source.version,
+        "step": source.step,
+        "source": {k: str(v) for k, v in asdict(source).items() if k in ("kind", "path")},
+        "base_model": {"path": spec.model.path, "folder": str(model_dir),
+                       "warm_started": warm, "dtype": spec.model.dtype},
+        "dataset": {"source": spec.data.source, **extra.pop("dataset", {})},
+        "reward": {"fn": spec.reward.fn, "extract": spec.reward.extract, **extra.pop("reward", {})},
+        "prompt": {"template": spec.data.prompt_template, "chat_template": spec.data.chat_template},
+        "evaluation": dict(sorted(evaluation.items())),
+        "code": code_version(),
+        "spec": spec.model_dump(mode="json"),
+        **extra,
+    }
+
+
+def model_card(record: dict[str, Any]) -> str:
+    """README.md: front matter for the Hugging Face hub, then what the model is and where it
+    came from."""
+    import yaml
+
+    run, base, data, reward = record["run"], record["base_model"], record["dataset"], record["reward"]
+    front = {"library_name": "transformers", "tags": ["oolong", "reinforcement-learning", "grpo"],
+             "pipeline_tag": "text-generation"}
+    lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
+             f"# {run['name']}, policy version {record['version']}", "",
+             f"Trained with asynchronous RL by Oolong ({_code_line(record['code'])}): version "
+             f"{record['version']} of run `{run['name']}`"
+             + (f", after step {record['step']}" if record["step"] is not None else "") + ".", "",
+             "## Lineage", "", "| | |", "|---|---|",
+             f"| base model | `{base['path']}`" + (" (warm-started by `oolong sft`)" if base["warm_started"] else "")
+             + f", {base['dtype']} |",
+             f"| dataset | {_described(data, 'source')} |",
+             f"| reward | {_described(reward, 'fn')} |",
+             f"| run | {_described(run, 'name')} |",
+             f"| weights from | {record['source']['kind']} (`{record['source']['path']}`) |", "",
+             "## Evaluation of this version", ""]
+    if record["evaluation"]:
+        lines += ["| metric | value |", "|---|---|",
+                  *[f"| `{k}` | {v:.4g} |" for k, v in record["evaluation"].items()]]
+    else:
+        lines.append("None recorded for this version.")
+    prompt = record["prompt"]
+    lines += ["", "## Prompting", "",
+              f"Prompts were `{prompt['template']}`"
+              + (", wrapped in the tokenizer's chat template" if prompt["chat_template"] else "")
+              + "; `generation_config.json` holds the run's sampling (greedy: `do_sample=False`).",
+              "", "## The resolved run spec", "", "```yaml",
+              yaml.safe_dump(record["spec"], sort_keys=False).strip(), "```", ""]
+    return "\n".join(lines)
+
+
+def _code_line(code: dict[str, str]) -> str:
+    return f"oolong {code['oolong']}" + (f", commit `{code['commit']}`" if "commit" in code else "")
+
+
+def _described(part: dict[str, Any], key: str) -> str:
+    rest = ", ".join(f"{k} {v}" for k, v in part.items() if k not in (key, "dir"))
+    return f"`{part[key]}`" + (f" ({rest})" if rest else "")
