@@ -7,7 +7,7 @@
     oolong export runs/demo --version best --out models/demo-best   # a Hugging Face folder
     oolong runs create|list|watch|cancel|compare    # a remote Oolong server (REST API)
     oolong sweeps create|list|show|compare         # runs that differ in one or two fields
-    oolong models list|show|download               # exported versions in the web app's registry
+    oolong models export|list|show|alias|download  # exported versions in the web app's registry
 """
 
 from __future__ import annotations
@@ -135,10 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "oolong serve --help-server", add_help=False)
     v.add_argument("server_args", nargs=argparse.REMAINDER)
     v.set_defaults(fn=cmd_serve)
+    from training_core.models_cli import add_models_parser
     from training_core.runs_cli import add_runs_parser, add_sweeps_parser
 
     add_runs_parser(sub)
     add_sweeps_parser(sub)
+    add_models_parser(sub)
     return p
 
 
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse(argv)
-    if args.command in ("runs", "sweeps"):
+    if args.command in ("runs", "sweeps", "models"):
         from training_core.runs_cli import run_command
 
         return run_command(args.fn, args)

@@ -79,3 +79,14 @@ def evaluation_run(run_id: int, checkpoint_step: int | None = None, limit: int =
     from webapp.tracking.evaluation import checkpoint_evaluate
 
     return checkpoint_evaluate(run_id=run_id, checkpoint_step=checkpoint_step, limit=limit)
+
+
+# Exports write a model's folder (seconds for SmolLM2, minutes for a 7B): no time limit beyond
+# the worker's; acks_late so a killed worker's export runs again (the service is idempotent).
+@shared_task(name="oolong.model_export", acks_late=True, reject_on_worker_lost=True,
+             autoretry_for=(OperationalError,), max_retries=3, retry_backoff=True)
+def model_export(model_version_id: int) -> dict:
+    """Export a run's version as a Hugging Face folder into the store and register it."""
+    from webapp.registry.services import model_version_export
+
+    return model_version_export(model_version_id=model_version_id)

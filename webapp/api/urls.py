@@ -5,6 +5,7 @@ from webapp.accounts import apis as accounts
 from webapp.api.errors import api_not_found
 from webapp.api.views import combine
 from webapp.datasets import apis as datasets
+from webapp.registry import apis as registry
 from webapp.rewards import apis as rewards
 from webapp.runs import apis as runs
 from webapp.sweeps import apis as sweeps
@@ -36,6 +37,13 @@ urlpatterns = [
     path("sweeps/", combine("SweepsApi", sweeps.SweepCreateApi, sweeps.SweepListApi).as_view()),
     path("sweeps/<id:sweep_id>/", sweeps.SweepDetailApi.as_view()),
     path("sweeps/<id:sweep_id>/compare/", sweeps.SweepCompareApi.as_view()),
+    path("runs/<id:run_id>/export/", registry.RunExportApi.as_view()),
+    path("models/", registry.ModelListApi.as_view()),
+    path("models/<id:model_id>/", registry.ModelDetailApi.as_view()),
+    path("models/<id:model_id>/download/", registry.ModelDownloadApi.as_view()),
+    path("models/<id:model_id>/aliases/", registry.ModelAliasesApi.as_view()),
+    re_path(r"^models/(?P<model_id>[0-9]{1,18})/aliases/(?P<alias>[a-z][a-z0-9_.-]{0,49})/$",
+            registry.ModelAliasDeleteApi.as_view()),
     path("runs/<id:run_id>/metrics/", tracking.RunMetricsApi.as_view()),
     path("runs/<id:run_id>/trajectories/", tracking.RunTrajectoriesApi.as_view()),
     path("ingest/run/", tracking.RunInfoIngestApi.as_view()),

@@ -8,6 +8,7 @@ urlpatterns = [
     path("runs/<id:run_id>/", views.run_detail, name="run-detail"),
     path("runs/<id:run_id>/cancel/", views.run_cancel_view, name="run-cancel"),
     path("runs/<id:run_id>/resume/", views.run_resume_view, name="run-resume"),
+    path("runs/<id:run_id>/export/", views.run_export_view, name="run-export"),
     path("runs/<id:run_id>/sync-sweep/", views.run_sync_sweep_view, name="run-sync-sweep"),
     path("sweeps/", views.sweep_list_view, name="sweep-list"),
     path("sweeps/<id:sweep_id>/", views.sweep_detail, name="sweep-detail"),

@@ -36,6 +36,8 @@ from webapp.datasets.selectors import (
     dataset_version_list,
 )
 from webapp.datasets.services import dataset_upload
+from webapp.registry.selectors import model_version_list
+from webapp.registry.services import model_version_request
 from webapp.rewards.selectors import (
     reward_function_get,
     reward_function_list,
@@ -100,6 +102,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "eta": run_spec_resolved(run=run).rollout.max_staleness,
         "steps": trajectory_steps(run=run),
         "checkpoints": checkpoint_list(run=run),
+        "models": list(model_version_list(user=request.user, run_id=run.id)[:50]),
         "gateway": run_gateway(run=run),
         "spec_json": json.dumps(run.spec, indent=2)})
 
@@ -139,6 +142,20 @@ def run_sync_sweep_view(request: HttpRequest, run_id: int) -> HttpResponse:
     messages.success(request, f"started {sweep.runs.count()} runs, launched together with one "
                               "shared warm start")
     return redirect("sweep-detail", sweep_id=sweep.id)
+
+
+@login_required
+@require_POST
+def run_export_view(request: HttpRequest, run_id: int) -> HttpResponse:
+    """'Export': queue an export of the chosen version into the model registry."""
+    version = (request.POST.get("version") or "latest").strip()[:20]
+    try:
+        mv = model_version_request(run=run_get(user=request.user, run_id=run_id),
+                                   user=request.user, version=version)
+        messages.success(request, f"export of {version} queued as model version {mv.id}")
+    except ApplicationError as exc:
+        messages.error(request, exc.message)
+    return redirect("run-detail", run_id=run_id)
 
 
 def _compare_context(runs: list[Run], focus: int | None) -> dict:

@@ -52,6 +52,7 @@ INSTALLED_APPS = [
     "webapp.runs",
     "webapp.sweeps",
     "webapp.tracking",
+    "webapp.registry",
     "webapp.dashboard",
     "webapp.api",
 ]
