@@ -218,6 +218,9 @@ def export_version(run_dir: str | Path, version: int | str, out: str | Path, *,
                                 lineage or {})
         (tmp / LINEAGE_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
         (tmp / "README.md").write_text(model_card(record))
+        mode = (tmp / "README.md").stat().st_mode & 0o777  # the umask's, for every file:
+        for f in tmp.iterdir():  # transformers writes the weights through a 0600 temp file
+            f.chmod(mode)
         if out.exists():
             out.rmdir()  # empty (checked above)
         tmp.rename(out)

@@ -3,6 +3,7 @@ from __future__ import annotations
 from django.db.models import QuerySet
 from django.http import Http404
 
+from training_core import metric_names as M
 from webapp.registry.models import ModelAlias, ModelVersion
 from webapp.runs.models import Run
 from webapp.tracking.models import MetricPoint
@@ -48,7 +49,7 @@ def run_evaluations(*, run: Run) -> dict[int, dict[str, float]]:
     is its ``version`` metric (what training_core.export ranks ``best`` by)."""
     points = MetricPoint.objects.filter(run=run).filter(key__startswith="eval/").values_list(
         "step", "key", "value")
-    version_at = dict(MetricPoint.objects.filter(run=run, key="version").values_list("step", "value"))
+    version_at = dict(MetricPoint.objects.filter(run=run, key=M.VERSION).values_list("step", "value"))
     version_at.setdefault(0, 0.0)  # the evaluation before training is version 0's
     out: dict[int, dict[str, float]] = {}
     for step, key, value in points:
