@@ -174,6 +174,8 @@ def test_the_run_page_exports_and_lists_its_models(api, alice, finished):
     assert resp.status_code == 302
     mv = ModelVersion.objects.get(run=finished)
     assert (mv.requested, mv.status) == ("best", "pending")
-    model_version_export(model_version_id=mv.id)
+    from workers.tasks import model_export
+
+    assert model_export.apply(args=[mv.id]).get()["version"] == 2  # the worker's task, in process
     page = browser.get(f"/runs/{finished.id}/").content.decode()
     assert f'href="/api/models/{mv.id}/download/"' in page and "0.700" in page
