@@ -20,9 +20,12 @@ place, so it is whole or absent. Nothing here imports the web app: it passes wha
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,31 +146,68 @@ def load_state(source: WeightSource) -> dict[str, Any] | None:
     return _checkpoint_state(source)
 
 
+# DeepSpeed names the file holding the module and the client state by the ZeRO stage.
+MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+
 def _checkpoint_state(source: WeightSource) -> dict[str, Any]:
-    """The fp32 weights of a DeepSpeed checkpoint. Read with ``weights_only`` (only tensors,
-    containers and the numpy RNG state the trainer saves): a checkpoint written on a node must
-    not run code in the process that exports it."""
-    import numpy as np
+    """The fp32 weights of a DeepSpeed checkpoint. Every file is read with ``weights_only``
+    (tensors, containers and the few classes the trainer's checkpoints hold): a checkpoint written
+    on a node must not run code in the process that exports it."""
     import torch
 
-    path = source.path / "mp_rank_00_model_states.pt"
-    if not path.exists():
-        raise ExportError(f"checkpoint {source.path} has no mp_rank_00_model_states.pt",
+    path = next((source.path / n for n in MODEL_STATES if (source.path / n).exists()), None)
+    if path is None:
+        raise ExportError(f"checkpoint {source.path} has none of {', '.join(MODEL_STATES)}",
                           field="version")
-    allowed = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype("uint32"))]
-    with torch.serialization.safe_globals(allowed):
+    with _weights_only():
         saved = torch.load(path, map_location="cpu", weights_only=True)
     if saved.get("version") != source.version:
         raise ExportError(f"checkpoint {source.path} holds version {saved.get('version')}, "
                           f"not {source.version} as metrics.jsonl says", field="version")
     module = saved.get("module") or {}
     if not module or any(t.numel() == 0 for t in module.values()):
-        # ZeRO-3 keeps the weights in the optimizer's partitions; DeepSpeed gathers them.
+        # ZeRO-3 keeps the weights in the optimizer's partitions; DeepSpeed gathers them (its
+        # loader asks for full unpickling: the environment switch below overrides it).
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        module = get_fp32_state_dict_from_zero_checkpoint(str(source.path.parent),
-                                                          tag=source.path.name)
+        with _weights_only(force=True):
+            module = get_fp32_state_dict_from_zero_checkpoint(str(source.path.parent),
+                                                              tag=source.path.name)
     return dict(module)
+
+
+@contextmanager
+def _weights_only(*, force: bool = False) -> Iterator[None]:
+    """``torch.load`` restricted to tensors and these globals; ``force``: also for callers that
+    pass ``weights_only=False`` (torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, read at each load)."""
+    import numpy as np
+    import torch
+
+    allowed: list[Any] = [np._core.multiarray._reconstruct, np.ndarray, np.dtype,
+                          type(np.dtype("uint32"))]
+    try:  # what a ZeRO optimizer's state file holds besides tensors
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+
+        allowed += [LossScaler, ZeroStageEnum]
+    except ImportError:
+        pass
+    before = os.environ.get(FORCE_WEIGHTS_ONLY)
+    if force:
+        os.environ[FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(allowed):
+            yield
+    finally:
+        if force:
+            if before is None:
+                os.environ.pop(FORCE_WEIGHTS_ONLY, None)
+            else:
+                os.environ[FORCE_WEIGHTS_ONLY] = before
+
+
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 
 
 # ---- writing the folder ------------------------------------------------------------------------

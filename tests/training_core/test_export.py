@@ -125,3 +125,24 @@ def test_a_version_only_a_checkpoint_holds_is_exported_from_its_fp32_weights(fin
     with pytest.raises(ExportError, match="--version 1: the run holds no weights") as err:
         export_version(run["run_dir"], 1, run["tmp"] / "v1")
     assert err.value.field == "version" and not (run["tmp"] / "v1").exists()
+
+
+def test_a_zero3_checkpoint_gives_the_weights_its_version_served(tiny_model_dir, tmp_path):
+    """ZeRO-3 keeps the weights in the optimizer's partitions: the export gathers them (DeepSpeed's
+    zero_to_fp32, forced to weights-only loading) into exactly what the servers loaded."""
+    import os
+
+    from training_core.export import WeightSource, load_state
+    from training_core.train import train
+
+    spec = load_spec(None, SMALL + [f"run_dir={tmp_path / 'run'}", "trainer.steps=2",
+                                    "checkpoint.every=1", "eval.every=0",
+                                    "trainer.zero_stage=3"])
+    run_dir = train(spec, progress=False).run_dir
+    assert (run_dir / "checkpoints" / "step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt").exists()
+    state = load_state(WeightSource(2, "checkpoint", run_dir / "checkpoints" / "step2", 2))
+    served = load_file(str(run_dir / "weights" / "v2" / "model.safetensors"))
+    assert all(torch.equal(state[k], v) for k, v in served.items())
+    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ  # the switch is put back
+    with pytest.raises(ExportError, match="holds version 2, not 1"):
+        load_state(WeightSource(1, "checkpoint", run_dir / "checkpoints" / "step2", 2))
