@@ -142,8 +142,25 @@ def load_state(source: WeightSource) -> dict[str, Any] | None:
     if source.kind == "pushed":
         from safetensors.torch import load_file
 
-        return load_file(str(source.path / "model.safetensors"))
+        # A live run retires a version two pushes later by renaming its folder and writing the
+        # next version over it: the file must be the same one after it was read.
+        path = source.path / "model.safetensors"
+        before = _identity(path)
+        state = load_file(str(path))
+        if before is None or _identity(path) != before:
+            raise ExportError(f"version {source.version} was retired by the running trainer while "
+                              "it was read; export a newer or a checkpointed version",
+                              field="version")
+        return state
     return _checkpoint_state(source)
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 # DeepSpeed names the file holding the module and the client state by the ZeRO stage.

@@ -98,6 +98,9 @@ def model_version_export(*, model_version_id: int) -> dict:
             return _failed(mv, f"{exc.field}: {exc}")
         except FileNotFoundError as exc:
             return _failed(mv, f"run: the run's files are not on this worker ({exc})")
+        except Exception as exc:  # a full disk, a broken file: the row says so, the task fails
+            _failed(mv, f"export: {type(exc).__name__}: {exc}")
+            raise
     record = json.loads((out / LINEAGE_FILE).read_text())
     mv.version, mv.step, mv.source = record["version"], record["step"], record["source"]["kind"]
     mv.evaluation, mv.lineage, mv.path = record["evaluation"], record, str(out)

@@ -90,3 +90,30 @@ def test_an_existing_folder_or_a_missing_run_is_refused(tmp_path):
     with pytest.raises(ExportError, match="no spec.yaml there") as err:
         export_version(tmp_path / "nowhere", "latest", tmp_path / "out")
     assert err.value.field == "run"
+
+
+def test_a_version_retired_while_it_is_read_is_refused(tmp_path, monkeypatch):
+    """The disk sync retires a version by renaming its folder to weights/.spare and writing the
+    next version over that file: an export that read it meanwhile must not pass it off."""
+    import safetensors.torch
+    import torch
+
+    from training_core.export import WeightSource, load_state
+
+    folder = tmp_path / "weights" / "v5"
+    folder.mkdir(parents=True)
+    safetensors.torch.save_file({"w": torch.zeros(2)}, str(folder / "model.safetensors"))
+    real = safetensors.torch.load_file
+
+    def read_while_the_trainer_pushes(path, *a, **k):
+        out = real(path, *a, **k)
+        folder.rename(tmp_path / "weights" / ".spare")  # what DiskSync.push does two versions on
+        folder.mkdir()
+        safetensors.torch.save_file({"w": torch.ones(2)}, str(folder / "model.safetensors"))
+        return out
+
+    source = WeightSource(5, "pushed", folder, 5)
+    assert torch.equal(load_state(source)["w"], torch.zeros(2))  # undisturbed: read as it is
+    monkeypatch.setattr(safetensors.torch, "load_file", read_while_the_trainer_pushes)
+    with pytest.raises(ExportError, match="version 5 was retired by the running trainer"):
+        load_state(source)
