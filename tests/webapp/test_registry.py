@@ -84,7 +84,9 @@ def test_best_is_exported_and_registered_with_its_lineage(api, finished, dataset
     assert model_version_export(model_version_id=m["id"])["status"] == "ready"
     assert finished.events.filter(kind="model_exported").count() == 1
 
-    again = _export(api, finished, "2")
+    again = api.post(f"/api/runs/{finished.id}/export/", {"version": "2"}, format="json")
+    assert again.status_code == 409 and f"registered as model version {m['id']}" in again.json()["message"]
+    again = _export(api, finished, "best")  # resolved by the worker to the same version
     assert again["status"] == "failed" and f"registered as model version {m['id']}" in again["error"]
     latest = _export(api, finished, "latest", name="arith")
     assert (latest["status"], latest["version"], latest["name"]) == ("ready", 3, "arith")
@@ -141,6 +143,9 @@ def test_the_download_is_the_folder_streamed_as_tar(api, finished):
         assert tar.extractfile(f"{finished.name}-v3/model.safetensors").read() == weights
     pending = api.post(f"/api/runs/{finished.id}/export/", {"version": "2"}, format="json").json()
     assert api.get(f"/api/models/{pending['id']}/download/").status_code == 409
+    # one export of a run at a time
+    busy = api.post(f"/api/runs/{finished.id}/export/", {"version": "latest"}, format="json")
+    assert busy.status_code == 409 and "still being exported" in busy.json()["message"]
 
 
 def test_another_projects_user_sees_nothing(api, bob, bob_project, finished):

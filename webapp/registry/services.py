@@ -42,6 +42,7 @@ def _check_selector(version: str | int) -> str:
                            field="version")
 
 
+@transaction.atomic
 def model_version_request(*, run: Run, user, version: str | int = "latest",
                           name: str = "") -> ModelVersion:
     """Ask for ``version`` of ``run`` to be exported and registered. The worker resolves
@@ -54,6 +55,18 @@ def model_version_request(*, run: Run, user, version: str | int = "latest",
     if run.status in (Run.Status.QUEUED, Run.Status.PROVISIONING):
         raise ApplicationError(f"run {run.id} has not started: it holds no weights yet",
                                field="run", status_code=409)
+    # One export of a run at a time, and a version once: each holds a model's worth of disk.
+    Run.objects.select_for_update().filter(id=run.id).first()  # requests for one run queue here
+    busy = ModelVersion.objects.filter(run=run, status=ModelVersion.Status.PENDING).first()
+    if busy is not None:
+        raise ApplicationError(f"model version {busy.id} of run {run.id} is still being exported; "
+                               "ask again when it is ready or failed", field="run", status_code=409)
+    if requested.isdigit():
+        done = ModelVersion.objects.filter(run=run, version=int(requested),
+                                           status=ModelVersion.Status.READY).first()
+        if done is not None:
+            raise ApplicationError(f"v{requested} of run {run.id} is already registered as model "
+                                   f"version {done.id}", field="version", status_code=409)
     mv = ModelVersion.objects.create(
         project=run.project, run=run, name=name, requested=requested,
         dataset_version=run.dataset_version, reward_version=run.reward_version, created_by=user)
