@@ -184,3 +184,19 @@ def test_the_run_page_exports_and_lists_its_models(api, alice, finished):
     assert model_export.apply(args=[mv.id]).get()["version"] == 2  # the worker's task, in process
     page = browser.get(f"/runs/{finished.id}/").content.decode()
     assert f'href="/api/models/{mv.id}/download/"' in page and "0.700" in page
+
+
+def test_a_lost_export_does_not_hold_the_run_for_ever(api, finished):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from webapp.registry.services import EXPORT_STALE_S
+
+    lost = api.post(f"/api/runs/{finished.id}/export/", {"version": "3"}, format="json").json()
+    assert api.post(f"/api/runs/{finished.id}/export/", {"version": "2"},
+                    format="json").status_code == 409
+    ModelVersion.objects.filter(id=lost["id"]).update(
+        created_at=timezone.now() - timedelta(seconds=EXPORT_STALE_S + 1))
+    assert api.post(f"/api/runs/{finished.id}/export/", {"version": "2"},
+                    format="json").status_code == 202

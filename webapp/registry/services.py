@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from datetime import timedelta
 from pathlib import Path
 
 from django.conf import settings
@@ -25,6 +26,9 @@ from webapp.runs.models import Run
 from webapp.runs.services import run_event_add
 
 EXPORT_TASK = "oolong.model_export"
+# A pending export older than this no longer holds the run's turn (its task was lost with a
+# broker, say); a new request goes ahead.
+EXPORT_STALE_S = 3600
 ALIAS = re.compile(r"^[a-z][a-z0-9_.-]{0,49}$")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
@@ -57,7 +61,9 @@ def model_version_request(*, run: Run, user, version: str | int = "latest",
                                field="run", status_code=409)
     # One export of a run at a time, and a version once: each holds a model's worth of disk.
     Run.objects.select_for_update().filter(id=run.id).first()  # requests for one run queue here
-    busy = ModelVersion.objects.filter(run=run, status=ModelVersion.Status.PENDING).first()
+    busy = ModelVersion.objects.filter(
+        run=run, status=ModelVersion.Status.PENDING,
+        created_at__gt=timezone.now() - timedelta(seconds=EXPORT_STALE_S)).first()
     if busy is not None:
         raise ApplicationError(f"model version {busy.id} of run {run.id} is still being exported; "
                                "ask again when it is ready or failed", field="run", status_code=409)
