@@ -75,8 +75,9 @@ def test_streaming_gives_the_same_completion_in_chunks(gw):
     _, resp = gw.engine.calls[-1]
     assert text == gw.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
     # Real streaming: the server sent each token as it was sampled, and the gateway passed them
-    # on (a chunk per visible token, not one at the end).
-    assert gw.engine.streamed - streamed == len(resp.output_ids)
+    # on (a chunk per visible token, not one at the end). The finish comes with the last token
+    # (SGLang) or as one more event after it (the embedded server).
+    assert len(resp.output_ids) <= gw.engine.streamed - streamed <= len(resp.output_ids) + 1
     content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(content_chunks) >= min(2, len(text))
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
