@@ -35,3 +35,11 @@ def test_a_half_uploaded_model_is_not_there(tmp_path):
     store = CheckpointStore(str(tmp_path / "store"), "run-8")
     store._put_tree(_model_folder(tmp_path / "m"), store._initial)  # the node died before the marker
     assert not store.has_initial_model()
+
+
+def test_an_s3_store_url_opens_with_the_installed_dependencies():
+    """Production stores are s3:// URLs: fsspec alone refuses the scheme ("Install s3fs"), so the
+    nodes' install ([core]) must bring s3fs. Nothing is contacted: only the file system is made."""
+    store = CheckpointStore("s3://oolong-bucket/prefix", "run-9")
+    assert type(store.fs).__name__ == "S3FileSystem"
+    assert store.root == "oolong-bucket/prefix/run-9/checkpoints"
