@@ -93,11 +93,19 @@ def test_5xx_is_retried():
     assert resp.output_ids == [7, 8] and server.generate_calls == 2
 
 
-async def start_then_pause(client, request_, paused: asyncio.Event) -> asyncio.Task:
+async def until(condition, timeout_s: float = 5.0) -> None:
+    """Wait on ``condition`` (polled on the loop), failing after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out waiting on the condition"
+        await asyncio.sleep(0.001)
+
+
+async def start_then_pause(client, server, request_, paused: asyncio.Event) -> asyncio.Task:
     """Send a request, then pause the servers while it is in flight (the scripted server answers
     ``abort`` once ``paused`` is set, as SGLang does for requests a pause interrupts)."""
     task = asyncio.create_task(client.agenerate(request_))
-    await asyncio.sleep(0.02)
+    await until(lambda: server.generate_calls >= 1)  # on the server: in flight
     await client.pause()
     paused.set()
     return task
@@ -119,8 +127,8 @@ def test_abort_during_a_pause_resumes_with_the_partial_output_after_continue():
 
         server = ScriptedSGLang(script)
         client = client_for(server)
-        task = await start_then_pause(client, request(max_new_tokens=4), paused)
-        await asyncio.sleep(0.05)
+        task = await start_then_pause(client, server, request(max_new_tokens=4), paused)
+        await asyncio.sleep(0.05)  # time to (wrongly) send it again: nothing to wait on
         # While paused, the interrupted sample waits: no second /generate yet.
         assert server.generate_calls == 1
         client.policy.advance()  # the trainer pushed version 1 meanwhile
@@ -152,7 +160,7 @@ def test_in_place_pause_keeps_requests_on_the_server_and_labels_them_with_their_
         server = ScriptedSGLang(lambda body, n: (200, finishes_after_the_update()))
         client = client_for(server, pause_mode="in_place")
         task = asyncio.create_task(client.agenerate(request(max_new_tokens=4)))
-        await asyncio.sleep(0.02)
+        await until(lambda: server.generate_calls >= 1)  # on the server: in flight
         await client.pause()
         await client.update_weights_from_disk("/weights/v1", 1)
         await client.resume()
@@ -179,7 +187,7 @@ def test_an_interruption_that_used_the_whole_budget_is_not_resubmitted():
         paused = asyncio.Event()
         server = ScriptedSGLang(lambda body, n: (200, aborted_once(paused, [1, 2, 3, 4])))
         client = client_for(server)
-        task = await start_then_pause(client, request(max_new_tokens=4), paused)
+        task = await start_then_pause(client, server, request(max_new_tokens=4), paused)
         await asyncio.sleep(0.02)
         await client.resume()
         return await asyncio.wait_for(task, 5), server

@@ -52,6 +52,15 @@ class ScriptedWorkflow:
         return TrajectoryGroup([sample, other])
 
 
+def _until(condition, what: str, timeout_s: float = 10.0) -> None:
+    """Wait on ``condition`` (polled), failing with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.005)
+
+
 def _executor(rows, workflow, *, B=2, eta=1, M=4, **kw):
     engine = ScriptedEngine()
     ex = RolloutExecutor(engine, workflow, PromptLoader(rows, seed=0),
@@ -292,7 +301,8 @@ def test_resume_state_holds_prompts_handed_out_but_not_trained_on():
         batch = ex.prepare_batch(2, 0, timeout_s=10)
         engine.set_version(1)
         ex.kick()
-        time.sleep(0.2)  # the next batch's episodes start (eta=0: exactly B of them)
+        # the next batch's episodes start (eta=0: exactly B of them): waited for, not slept on
+        _until(lambda: ex.staleness.stats().submitted == 4, "the next batch's episodes to start")
         state = ex.resume_state()
     finally:
         ex.stop()
