@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # tests/<directory> -> the marker its tests carry (registered in pyproject.toml).
 COST_MARKERS = {"unit": "unit", "training_core": "engine", "webapp": "web", "security": "security",
                 "orchestration": "orchestration", "integration": "integration", "infra": "infra",
-                "benchmarks": "benchmarks"}
+                "benchmarks": "benchmarks", "workers": "workers"}
 
 
 def pytest_collection_modifyitems(config, items):
