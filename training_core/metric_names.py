@@ -3,7 +3,7 @@
 The producers (train.py's loop and timers, step_metrics.py, evaluation.py, the rollout
 correction, the rollout profile, agent workflows) and the readers (the web app's charts, run
 header, run list, compare view and tracker selectors; the CLI) use these names. Two tests hold
-them together: ``tests/unit/test_metric_names.py`` fails when a chart, the header or a list names
+them together: ``tests/test_metric_names.py`` fails when a chart, the header or a list names
 a metric not declared here, and the end-to-end training test when a run writes one that is not.
 
 Light on purpose (no imports): the web app imports it.
