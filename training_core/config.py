@@ -325,6 +325,9 @@ class AlgorithmSpec(_Section):
         "behaviour weights above this are masked or clipped" + _PRESET))
     behav_weight_mode: Literal["mask", "clip"] | None = Field(None, description=(
         "what happens to a token whose behaviour weight passes the cap" + _PRESET))
+    std_estimator: Literal["sample", "population"] | None = Field(None, description=(
+        "the reward std advantages divide by: sample (n - 1, as verl, AReaL and TRL) or "
+        "population (n)" + _PRESET))
     kl_coef: float | None = Field(None, description="weight of the KL term (ppo_kl)" + _PRESET)
     dynamic_filter: bool | None = Field(None, description=(
         "drop groups whose samples all got the same reward (DAPO)" + _PRESET))
