@@ -79,6 +79,7 @@ class Run:
     ctx: WorkflowContext | None = None
     executor: RolloutExecutor | None = None
     eval_rows: list[dict[str, Any]] | None = None
+    eval_overlap: dict[str, float] | None = None  # per eval set: its questions in the train pool
     threads: ThreadShare | None = None
     profile: RolloutProfile | None = None
     # Control calls (pause, weight load, resume) get their own event loop in the trainer's
@@ -178,6 +179,7 @@ def build_run(spec: RunSpec, *, resume_dir: str | Path | None = None,
                                    dynamic_filter=algo.dynamic_filter,
                                    max_token_staleness=spec.rollout.token_staleness_bound)
     run.eval_rows = data.eval[: spec.eval.size]
+    run.eval_overlap = data.overlap
     run.threads = ThreadShare(spec, run.fleet, run.executor, world)
     run.profile = RolloutProfile(run.client)
     return run

@@ -42,7 +42,7 @@ from training_core.checkpoint import checkpoint_dir, prune_checkpoints
 from training_core.checkpoint_store import CheckpointStore
 from training_core.config import RunSpec
 from training_core.disk_full import failure_reason
-from training_core.evaluation import evaluate
+from training_core.evaluation import evaluate_sets
 from training_core.metrics import BATCH_LOG
 from training_core.reward_failures import RewardFailureWatch
 from training_core.run_setup import Run, build_run
@@ -90,6 +90,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
     timers, reward_watch = Timers(), RewardFailureWatch(spec.reward.max_failing_steps)
     refusals = UpdateRefusals(spec, sink)
     first_eval = last_eval = None
+    evaluated = -1  # the weight version last evaluated: the final one always is
     sink.event("started", f"run {spec.name} at version {policy.current}", run_dir=str(run.run_dir))
     if spec.metrics.report_status:
         sink.status("running")
@@ -101,7 +102,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
     step = run.first_step - 1
     try:
         if spec.eval.every and run.eval_rows and run.first_step == 1:
-            first_eval = run_eval(run, step=0)
+            first_eval, evaluated = run_eval(run, step=0), policy.current
             sink.log(0, {**first_eval, "version": 0})
 
         step_start = time.perf_counter()
@@ -158,6 +159,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
                 with timers("eval"):
                     last_eval = run_eval(run, step)
                 metrics.update(last_eval)
+                evaluated = policy.current
             metrics.update(step_metrics(batch, stats, version=policy.current,
                                         running=run.staleness.stats().running,
                                         step_time=time.perf_counter() - step_start))
@@ -176,6 +178,11 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", v=policy.current,
                             stale=f"{metrics['staleness/mean']:.2f}",
                             tok_s=f"{metrics['tokens_per_s']:.0f}")
+        if (spec.eval.every and run.eval_rows and step >= run.first_step
+                and evaluated != policy.current):
+            # The last steps were refused (update_guard): the final version still gets its eval.
+            last_eval = run_eval(run, step)
+            sink.log(step, {**last_eval, "version": policy.current})
         sink.event("finished", f"finished at step {step}, version {policy.current}")
         if spec.metrics.report_status:
             sink.status("succeeded")
@@ -311,8 +318,11 @@ def run_eval(run: Run, step: int) -> dict[str, float]:
     first failure is evented."""
     errors: list[str] = []
     rows = run.eval_rows or []
-    out = run.executor.run_coro(evaluate(run.client, run.ctx, rows,
-                                         run.spec.rollout.max_new_tokens, errors))
+    out = run.executor.run_coro(evaluate_sets(
+        run.client, run.ctx, {metric_names.DEFAULT_EVAL_SET: rows},
+        max_new_tokens=run.spec.rollout.max_new_tokens,
+        version=run.policy.current, samples=run.spec.eval.samples, k=run.spec.eval.k,
+        overlap=run.eval_overlap, errors=errors))
     if errors:
         run.sink.event("eval_errors", f"{len(errors)} of {len(rows)} eval rows failed (scored 0); "
                        f"first: {errors[0][:2000]}", step=step)

@@ -16,10 +16,28 @@ from training_core.algorithms.presets import PRESETS, AlgorithmConfig, resolve_a
 pytestmark = pytest.mark.unit  # no process, network or database (conftest)
 
 
-def test_grpo_normalises_by_group_mean_and_std():
+def test_grpo_normalises_by_group_mean_and_sample_std():
     adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), PRESETS["grpo"])
+    # mean 0.5; the sample std (n - 1, as verl, AReaL and TRL) is sqrt(1/3) = 0.577
+    expected = 0.5 / math.sqrt(1 / 3)
+    assert torch.allclose(adv, torch.tensor([[expected, -expected, -expected, expected]]),
+                          atol=1e-4)
+
+
+def test_population_std_is_an_option():
+    cfg = resolve_algorithm("grpo", std_estimator="population")
+    adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), cfg)
     # mean 0.5, population std 0.5
     assert torch.allclose(adv, torch.tensor([[1.0, -1.0, -1.0, 1.0]]), atol=1e-4)
+    batch = group_advantages(torch.tensor([[1.0, 0.0], [0.0, 1.0]]),
+                             AlgorithmConfig(baseline="batch_mean", std_estimator="population"))
+    assert torch.allclose(batch, torch.tensor([[1.0, -1.0], [-1.0, 1.0]]), atol=1e-4)
+
+
+def test_a_group_of_one_keeps_a_finite_advantage():
+    # The sample std of one value is NaN: a group of one is left unscaled, not NaN.
+    adv = group_advantages(torch.tensor([[1.0], [0.0]]), PRESETS["grpo"])
+    assert torch.isfinite(adv).all()
 
 
 def test_dr_grpo_has_no_std():
@@ -129,6 +147,39 @@ def test_kl_penalty_is_k2_in_the_loss_and_k3_in_the_metric():
     assert logp.grad.item() == pytest.approx(2.0 * math.log(2), abs=1e-6)
     # The reported KL is k3 = exp(ref - logp) - (ref - logp) - 1 = 0.5 + ln 2 - 1
     assert stats.kl_sum == pytest.approx(0.5 + math.log(2) - 1, abs=1e-6)
+
+
+def test_clip_fraction_skips_tokens_the_correction_removed():
+    # token 1 is clipped (r = 1.3 > 1.2, A = 1) and kept (w = 2); token 2 is clipped too
+    # (r = 1.3, A = 1) but its behaviour weight w = 6 passes the cap of 5: the correction
+    # removes it from the loss, so it is not counted as clipped either.
+    logp = torch.tensor([[math.log(1.3), math.log(1.3)]])
+    prox = torch.zeros(1, 2)
+    behav = torch.tensor([[math.log(0.5), math.log(1 / 6)]])
+    adv = torch.ones(1, 2)
+    _, stats = decoupled_ppo_loss(logp, prox, behav, adv, torch.ones(1, 2),
+                                  cfg=AlgorithmConfig(behav_weight_mode="mask"), num_tokens=2)
+    assert stats.behav_masked == 1 and stats.tokens == 2
+    assert stats.clipped == 1
+
+
+def test_minus_infinity_at_a_masked_position_cannot_make_nan():
+    # A position outside the loss may hold -inf (a logprob of an impossible token, a padded
+    # slot): -inf * 0 is NaN, so masks must select, not multiply.
+    inf = float("inf")
+    logp = torch.tensor([[-inf, -0.1]], requires_grad=True)
+    prox = torch.tensor([[-inf, -0.1]])
+    behav = torch.tensor([[-inf, -0.2]])
+    ref = torch.tensor([[-inf, -0.1]])
+    adv = torch.tensor([[0.0, 1.0]])
+    mask = torch.tensor([[0.0, 1.0]])
+    cfg = AlgorithmConfig(kl_coef=0.1)
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, cfg=cfg, num_tokens=1,
+                                     ref_logp=ref)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert math.isfinite(stats.kl_sum) and math.isfinite(stats.behav_weight_sum)
+    assert all(math.isfinite(v) for v in stats.mismatch.values())
 
 
 def test_masked_positions_cannot_make_nan():

@@ -90,3 +90,70 @@ def test_prompt_loader_resumes_at_its_position():
     b.position = 4
     assert [b.next()[1]["i"] for _ in range(6)] == first[4:]
     assert sorted(first[:7]) == list(range(7))  # one epoch covers every row once
+
+
+# ---- held out by construction (issue 48) ---------------------------------------------------------
+
+def test_a_generator_with_more_than_10007_rows_holds_its_eval_set_out():
+    """reasoning-gym seeds item i with Random(seed + i): with the old eval seed, seed + 10_007,
+    eval row j was training row 10_007 + j on any run with more rows than that."""
+    from training_core.data.datasets import question_key
+
+    spec = DataSpec(source="reasoning_gym:basic_arithmetic", size=10_100, eval_size=100)
+    data = load_data(spec, seed=1)
+    assert len(data.eval) == 100 and data.overlap == {"heldout": 0.0}
+    asked = {question_key(r["question"]) for r in data.eval}
+    assert not asked & {question_key(r["question"]) for r in data.train}
+    # The streams are disjoint as seeds, not only after the text filter: no training row went.
+    assert data.removed_from_train == 0 and len(data.train) == 10_100
+
+
+def test_a_small_question_space_loses_its_eval_questions_from_training():
+    # Two terms of 0..9: 100 questions; 20,000 training rows ask each of them many times.
+    from training_core.data.datasets import overlap_fraction, question_key
+
+    spec = DataSpec(options={"max_value": 9}, size=20_000, eval_size=10)
+    data = load_data(spec, seed=0)
+    asked = {question_key(r["question"]) for r in data.eval}
+    assert len(asked) == len(data.eval) == 10  # each question once
+    assert not asked & {question_key(r["question"]) for r in data.train}
+    assert data.removed_from_train > 0 and data.overlap["heldout"] == 0.0
+    assert overlap_fraction(data.eval, data.train) == 0.0
+    # At most a fifth of the space is held out, whatever eval_size asks for.
+    big = load_data(DataSpec(options={"max_value": 9}, size=20_000, eval_size=500), seed=0)
+    assert len(big.eval) == 20 and len({question_key(r["question"]) for r in big.train}) == 80
+
+
+def test_an_intended_overlap_is_kept_and_measured():
+    spec = DataSpec(options={"max_value": 9}, size=20_000, eval_size=10, allow_eval_overlap=True)
+    data = load_data(spec, seed=0)
+    assert data.removed_from_train == 0 and len(data.train) == 20_000
+    assert data.overlap["heldout"] == 1.0  # every question of this space is in the pool
+
+
+def test_an_overlap_the_spec_did_not_allow_is_an_error():
+    from training_core.data.datasets import held_out
+
+    rows = [{"question": f"{i}+0=", "answer": str(i)} for i in range(10)]
+    # Removal leaves no overlap; an eval set that is all of the pool leaves nothing to train.
+    with pytest.raises(DatasetError, match="data.eval_size.*data.allow_eval_overlap"):
+        held_out(rows, {"heldout": rows[:]}, allow_overlap=False, source="x")
+    data = held_out(rows, {"heldout": rows[:2]}, allow_overlap=False, source="x")
+    assert data.overlap == {"heldout": 0.0} and len(data.train) == 8
+
+
+def test_a_file_with_duplicate_questions_splits_by_question(tmp_path):
+    from training_core.data.datasets import question_key
+
+    # 30 distinct questions, each asked three times (case and spacing vary): a split by row
+    # would put copies of one question on both sides.
+    rows = [{"question": form.format(i), "answer": str(i)} for i in range(30)
+            for form in ("What is {}+1?", "what is  {}+1?", "WHAT IS {}+1? ")]
+    spec = DataSpec(source=f"jsonl:{_write_jsonl(tmp_path / 'd.jsonl', rows)}", eval_size=5)
+    data = load_data(spec, seed=3)
+    asked = [question_key(r["question"]) for r in data.eval]
+    assert len(asked) == len(set(asked)) == 5  # each eval question once
+    trained = {question_key(r["question"]) for r in data.train}
+    assert not set(asked) & trained and len(trained) == 25
+    assert len(data.train) == 75  # every copy of the 25 others is trained on
+    assert data.overlap == {"heldout": 0.0}

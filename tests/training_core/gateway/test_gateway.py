@@ -487,7 +487,9 @@ def test_group_baseline_over_trajectories_reaches_every_segment():
     adv = segment_advantages([group], resolve_algorithm("dr_grpo"))
     assert adv == [[0.0, 0.5, 0.5], [0.0, 0.5], [0.0, -0.5]]
     grpo = segment_advantages([group], resolve_algorithm("grpo"))
-    assert grpo[0][1] == pytest.approx(1.0, abs=1e-4) and grpo[2][1] == pytest.approx(-1.0, abs=1e-4)
+    # GRPO divides by the sample std of the returns 1, 0 (sqrt(1/2)): +-0.5 / 0.707 = +-0.707
+    half = 0.5 / 0.5 ** 0.5
+    assert grpo[0][1] == pytest.approx(half, abs=1e-4) and grpo[2][1] == pytest.approx(-half, abs=1e-4)
 
 
 @pytest.mark.slow
