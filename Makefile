@@ -31,9 +31,10 @@ demo: venv
 test: venv
 	bash scripts/test.sh
 
-# The edit loop: lint, import contracts and tests/unit (no process, network, browser or database).
+# The edit loop: lint, import contracts and the unit tests (no process, network, browser or
+# database; each such module declares `pytestmark = pytest.mark.unit`, tests/conftest.py).
 test-fast: venv
-	bash scripts/test.sh tests/unit
+	bash scripts/test.sh -m unit
 
 # Each integration module alone, in its own pytest process (a test must not rely on an earlier one).
 test-isolated: venv

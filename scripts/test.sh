@@ -8,7 +8,7 @@ export DATABASE_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
 export CELERY_BROKER_URL=${CELERY_BROKER_URL:-redis://127.0.0.1:6379/0}
 export PREFECT_HOME=${PREFECT_HOME:-$PWD/.cache/prefect}
 # reasoning-gym imports matplotlib, which builds its font cache on first import by running
-# fc-list: a process, which tests/unit refuses. Built here, once, before any test runs.
+# fc-list: a process, which unit tests refuse. Built here, once, before any test runs.
 export MPLCONFIGDIR=${MPLCONFIGDIR:-$PWD/.cache/matplotlib}
 bash scripts/services.sh up
 trap 'bash scripts/services.sh down' EXIT

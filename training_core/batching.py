@@ -24,7 +24,9 @@ def build_train_batch(groups: list[TrajectoryGroup], *, pad_id: int, algo: Algor
         if len(sizes) != 1:
             raise ValueError(f"all groups must have the same size, got {sorted(sizes)}")
         rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)
-        lengths = torch.tensor([[s.num_output_tokens for s in g.samples] for g in groups])
+        # DAPO's budget is per generation: a multi-turn trajectory is judged by its longest turn,
+        # not by its output tokens summed over turns.
+        lengths = torch.tensor([[longest_turn(s.loss_mask) for s in g.samples] for g in groups])
         shaped = rewards + overlong_penalty(lengths, max_new_tokens, algo)
         adv = group_advantages(shaped, algo).reshape(-1)
 
@@ -54,6 +56,17 @@ def build_train_batch(groups: list[TrajectoryGroup], *, pad_id: int, algo: Algor
                                        for s in samples], 0.0), dtype=torch.float32)
         if any(s.info.get("token_temperatures") for s in samples) else None,
     )
+
+
+def longest_turn(loss_mask: list[int]) -> int:
+    """The longest run of consecutive generated tokens: one turn's output. Turns of a multi-turn
+    trajectory are separated by the tokens the workflow added (feedback, tool results), which
+    have loss mask 0; a single-turn sample is one run, its whole output."""
+    best = run = 0
+    for m in loss_mask:
+        run = run + 1 if m else 0
+        best = max(best, run)
+    return best
 
 
 def rows_with_gradient(batch: TrainBatch, *, kl: bool) -> list[int]:

@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line as ``main`` runs it; nothing is executed (the documented forms are
-    checked with it, tests/unit/training_core/test_cli_docs.py)."""
+    checked with it, tests/training_core/test_cli_docs.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # everything after it is the server's own
         rest = ["--help" if a == "--help-server" else a for a in argv[1:]]

@@ -96,7 +96,11 @@ class DataSpec(_Section):
         "a format string over the row's fields, or a named template: reasoning_gym, math, gsm8k"))
     chat_template: bool = Field(False, description="wrap the prompt in the tokenizer's chat template")
     size: int = Field(100_000, gt=0, description="rows drawn from generators")
-    eval_size: int = Field(128, ge=0, description="rows held out for evaluation")
+    eval_size: int = Field(128, ge=0, description=(
+        "distinct questions held out for evaluation; no training row asks one of them"))
+    allow_eval_overlap: bool = Field(False, description=(
+        "true: eval questions stay in the training pool (an in-sample evaluation, said so in "
+        "eval/<set>/overlap_train_pool); false: they are removed, and any overlap is an error"))
 
     @model_validator(mode="after")
     def _template_known(self) -> DataSpec:
@@ -325,6 +329,9 @@ class AlgorithmSpec(_Section):
         "behaviour weights above this are masked or clipped" + _PRESET))
     behav_weight_mode: Literal["mask", "clip"] | None = Field(None, description=(
         "what happens to a token whose behaviour weight passes the cap" + _PRESET))
+    std_estimator: Literal["sample", "population"] | None = Field(None, description=(
+        "the reward std advantages divide by: sample (n - 1, as verl, AReaL and TRL) or "
+        "population (n)" + _PRESET))
     kl_coef: float | None = Field(None, description="weight of the KL term (ppo_kl)" + _PRESET)
     dynamic_filter: bool | None = Field(None, description=(
         "drop groups whose samples all got the same reward (DAPO)" + _PRESET))
@@ -400,8 +407,23 @@ class CheckpointSpec(_Section):
 
 
 class EvalSpec(_Section):
-    every: int = Field(10, ge=0, description="steps between greedy evals; 0 disables")
+    every: int = Field(10, ge=0, description=(
+        "steps between evals; 0 disables (otherwise the final version is always evaluated)"))
     size: int = Field(128, ge=0, description="held-out rows per eval")
+    samples: int = Field(0, ge=0, description=(
+        "n: completions sampled per eval question (the run's temperature) for avg@k, pass@k "
+        "and maj@k; 0: greedy accuracy only. Each eval costs n + 1 generations per question"))
+    k: int | None = Field(None, ge=1, description=(
+        "k of avg@k, pass@k (unbiased, from the n samples) and maj@k (the first k); at most "
+        "eval.samples; empty: eval.samples"))
+
+    @model_validator(mode="after")
+    def _k_within_samples(self) -> EvalSpec:
+        if self.k is not None and self.k > self.samples:
+            raise ValueError(f"eval.k ({self.k}) is above eval.samples ({self.samples}): pass@k "
+                             "needs at least k samples per question; raise eval.samples or "
+                             "lower eval.k")
+        return self
 
 
 class MetricsSpec(_Section):

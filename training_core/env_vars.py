@@ -2,7 +2,7 @@
 
 The code reads each where it is used; this table is where a reader finds them all, and
 ``docs/environment.md`` is generated from it (``python -m training_core.env_vars > docs/
-environment.md``). tests/unit/test_env_vars.py fails on a variable the tree reads that is not
+environment.md``). tests/test_env_vars.py fails on a variable the tree reads that is not
 here, on one here that nothing reads, and on a stale docs page. A name ending in ``*`` is a
 family (``OOLONG_QUOTA_<NAME>``).
 """

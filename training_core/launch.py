@@ -52,7 +52,7 @@ def sglang_server_command(model_path: str, port: int, *, dtype: str, host: str =
                           tp: int = 1, mem_fraction: float | None = None, weight_version: int = 0,
                           config: Path | None = None, extra: list[str] | None = None) -> list[str]:
     """The production rollout server. Flags per SGLang's server arguments (checked against the
-    pinned release by tests/training_core/test_sglang_contract.py):
+    pinned release by tests/training_core/rollout_server/test_sglang_contract.py):
 
     - ``--dtype`` always: SGLang's ``auto`` serves an fp32 model folder (Oolong's conversions and
       warm starts) in fp16, so a bf16 run would train in bf16 and sample in fp16;

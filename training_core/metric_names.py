@@ -3,7 +3,7 @@
 The producers (train.py's loop and timers, step_metrics.py, evaluation.py, the rollout
 correction, the rollout profile, agent workflows) and the readers (the web app's charts, run
 header, run list, compare view and tracker selectors; the CLI) use these names. Two tests hold
-them together: ``tests/unit/test_metric_names.py`` fails when a chart, the header or a list names
+them together: ``tests/test_metric_names.py`` fails when a chart, the header or a list names
 a metric not declared here, and the end-to-end training test when a run writes one that is not.
 
 Light on purpose (no imports): the web app imports it.
@@ -96,6 +96,24 @@ DECODE_BATCH_MEAN = _name("rollout/decode_batch_mean")
 EVAL_ACCURACY = _name("eval/accuracy")  # greedy, on held-out rows
 EVAL_REWARD = _name("eval/reward")
 EVAL_ERRORS = _name("eval/errors")  # eval rows whose generation or scoring failed (scored 0)
+# Per eval set (eval_stats.py, evaluation.evaluate_sets): eval/<set>/<metric>. A run's own
+# held-out set is DEFAULT_EVAL_SET; each *_ci_lo / *_ci_hi pair is the metric's 95% interval.
+DEFAULT_EVAL_SET = "heldout"
+EVAL_SET_METRICS = (
+    "questions", "version", "errors", "overlap_train_pool",
+    "greedy_accuracy", "greedy_accuracy_ci_lo", "greedy_accuracy_ci_hi",
+    "avg@k", "avg@k_ci_lo", "avg@k_ci_hi", "pass@k", "pass@k_ci_lo", "pass@k_ci_hi",
+    "maj@k", "maj@k_ci_lo", "maj@k_ci_hi", "k", "n")
+
+
+def eval_set_metric(set_name: str, metric: str) -> str:
+    """``eval/<set>/<metric>``, declared (a set's name comes from the run's data)."""
+    if metric not in EVAL_SET_METRICS:
+        raise ValueError(f"unknown eval metric {metric!r}; use one of {', '.join(EVAL_SET_METRICS)}")
+    return _name(f"eval/{set_name}/{metric}")
+
+
+EVAL_HELDOUT = {m: eval_set_metric(DEFAULT_EVAL_SET, m) for m in EVAL_SET_METRICS}
 OFFLINE_EVAL_ACCURACY = _name("offline_eval/accuracy")  # a stored run's weights, evaluated later
 OFFLINE_EVAL_REWARD = _name("offline_eval/reward")
 OFFLINE_EVAL_ROWS = _name("offline_eval/rows")

@@ -58,8 +58,39 @@ class Resumed:
 
 
 @dataclass
+class Rollout:
+    """Rank 0's rollout side: the servers, the client, admission control, the workflow's
+    executor, rewards, evaluation rows and the sinks. Every part is there (a run's other ranks
+    have no rollout side at all, not one with empty parts)."""
+
+    tokenizer: Any
+    sink: MetricsSink
+    client: RolloutClient
+    staleness: StalenessManager
+    rewards: RewardPool
+    ctx: WorkflowContext
+    executor: RolloutExecutor
+    eval_rows: list[dict[str, Any]]
+    eval_overlap: dict[str, float]  # per eval set: its questions in the train pool
+    threads: ThreadShare
+    profile: RolloutProfile
+    # Control calls (pause, weight load, resume) get their own event loop in the trainer's
+    # thread: the executor's loop is busy with hundreds of in-flight requests and would delay them.
+    control: asyncio.AbstractEventLoop
+    fleet: Fleet | None  # the servers this run started; None when the spec gave their URLs
+
+    def call(self, coro: Any, *, beside_episodes: bool = False) -> Any:
+        """The one way the trainer's thread runs a coroutine and waits for it: on the control
+        loop (pause, weight load, resume: never queued behind episodes), or ``beside_episodes``
+        on the executor's loop (evaluation: the workflow's own resources live there)."""
+        if beside_episodes:
+            return self.executor.run_coro(coro)
+        return self.control.run_until_complete(coro)
+
+
+@dataclass
 class Run:
-    """The parts of a run. The rollout side (rank 0 only) is None on the other ranks."""
+    """The parts of a run: every rank's, and on rank 0 the rollout side."""
 
     spec: RunSpec
     run_dir: Path
@@ -70,32 +101,20 @@ class Run:
     first_step: int
     rank: int
     world: int
-    tokenizer: Any = None
-    sink: MetricsSink | None = None
-    fleet: Fleet | None = None
-    client: WeightReceiver | None = None  # the rollout servers (RolloutClient)
-    staleness: StalenessManager | None = None
-    rewards: RewardPool | None = None
-    ctx: WorkflowContext | None = None
-    executor: RolloutExecutor | None = None
-    eval_rows: list[dict[str, Any]] | None = None
-    threads: ThreadShare | None = None
-    profile: RolloutProfile | None = None
-    # Control calls (pause, weight load, resume) get their own event loop in the trainer's
-    # thread: the executor's loop is busy with hundreds of in-flight requests and would delay them.
-    control: asyncio.AbstractEventLoop | None = None
+    rollout: Rollout | None = None  # rank 0 only
 
     def close(self) -> None:
         """The rollout side, in order: the weight group and the client's connections, the
         executor, the profile, the reward workers, the sinks, the servers."""
+        side = self.rollout
+        if side is None:
+            return
         try:
-            if self.control is not None:
-                self.control.run_until_complete(_close_control(self.client, self.sync))
-                self.control.close()
+            side.control.run_until_complete(_close_control(side.client, self.sync))
+            side.control.close()
         finally:
-            for part in (self.executor and self.executor.stop, self.profile and self.profile.close,
-                         self.rewards and self.rewards.close, self.sink and self.sink.close,
-                         self.fleet and self.fleet.stop):
+            for part in (side.executor.stop, side.profile.close, side.rewards.close,
+                         side.sink.close, side.fleet and side.fleet.stop):
                 if part:
                     part()
 
@@ -129,84 +148,116 @@ def build_run(spec: RunSpec, *, resume_dir: str | Path | None = None,
         return run
 
     # ---- rank 0: the rollout side ---------------------------------------------------------------
-    run.tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     data = load_data(spec.data, spec.seed)
     # The run's server key: the launcher's (a flow-started trainer), else a new one for the
     # servers started here; given servers that want one are given it in OOLONG_SERVER_KEY.
     server_key = os.environ.get(SERVER_KEY_ENV) or new_server_key()
+    fleet = None
     if spec.rollout.server_urls:
         urls = list(spec.rollout.server_urls)
     else:
         # A resumed run samples with a fresh seed: replaying the first run's random stream would
         # repeat its samples.
-        run.fleet = start_fleet(spec, model_dir, run_dir, seed=server_seed(spec.seed, policy.current),
-                                gpus=torch.cuda.device_count(), trainer_gpus=world,
-                                server_key=server_key)
-        urls = run.fleet.urls
-    run.client = RolloutClient(urls, timeout_s=spec.rollout.request_timeout_s,
-                               max_interruptions=spec.rollout.max_interruptions,
-                               pause_mode=spec.rollout.interrupt_mode, version=policy,
-                               api_key=server_key,
-                               flush_after_in_place=spec.rollout.backend == "sglang")
-    run.staleness = StalenessManager(batch_groups=spec.trainer.batch_groups,
-                                     max_staleness=spec.rollout.max_staleness,
-                                     max_concurrent=spec.rollout.max_concurrent)
+        fleet = start_fleet(spec, model_dir, run_dir, seed=server_seed(spec.seed, policy.current),
+                            gpus=torch.cuda.device_count(), trainer_gpus=world,
+                            server_key=server_key)
+        urls = fleet.urls
+    client = RolloutClient(urls, timeout_s=spec.rollout.request_timeout_s,
+                           max_interruptions=spec.rollout.max_interruptions,
+                           pause_mode=spec.rollout.interrupt_mode, version=policy,
+                           api_key=server_key,
+                           flush_after_in_place=spec.rollout.backend == "sglang")
+    staleness = StalenessManager(batch_groups=spec.trainer.batch_groups,
+                                 max_staleness=spec.rollout.max_staleness,
+                                 max_concurrent=spec.rollout.max_concurrent)
     loader = PromptLoader(data.train, spec.seed)
-    run.sink = sink or make_sinks(spec, run_dir)
-    run.control = asyncio.new_event_loop()
-    run.control.run_until_complete(check_server_kind(run.client, spec.rollout.backend))
-    run.control.run_until_complete(sync.connect(run.client))
-    _resume_rollout(run, resumed, loader, bool(resume_dir))
+    sink = sink or make_sinks(spec, run_dir)
+    control = asyncio.new_event_loop()
+    try:
+        _build_rollout(run, spec, tokenizer, data, sink, client, staleness, loader, control, fleet)
+        _resume_rollout(run, resumed, loader, bool(resume_dir))
+    except BaseException:  # nothing this rank started outlives the failure
+        if run.rollout is not None:
+            run.close()
+        else:
+            _abandon(control, client, sync, sink, fleet)
+        raise
+    return run
 
+
+def _build_rollout(run: Run, spec: RunSpec, tokenizer: Any, data: Any, sink: MetricsSink,
+                   client: RolloutClient, staleness: StalenessManager, loader: PromptLoader,
+                   control: asyncio.AbstractEventLoop, fleet: Fleet | None) -> None:
+    """Connect to the servers, then make the workflow, rewards and executor: ``run.rollout``."""
+    control.run_until_complete(check_server_kind(client, spec.rollout.backend))
+    control.run_until_complete(run.sync.connect(client))
     sampling = SamplingParams(max_new_tokens=spec.rollout.max_new_tokens,
                               temperature=spec.rollout.temperature, top_p=spec.rollout.top_p,
                               top_k=spec.rollout.top_k)
-    run.rewards = RewardPool.from_spec(spec.reward)
-    run.ctx = WorkflowContext(
-        tokenizer=run.tokenizer, rewards=run.rewards, sampling=sampling,
+    rewards = RewardPool.from_spec(spec.reward)
+    ctx = WorkflowContext(
+        tokenizer=tokenizer, rewards=rewards, sampling=sampling,
         group_size=spec.rollout.group_size, prompt_template=spec.data.prompt_template,
         chat_template=spec.data.chat_template, max_turns=spec.rollout.max_turns,
         turn_discount=spec.rollout.turn_discount, agent=spec.rollout.agent)
     online = spec.rollout.mode == "online"
-    workflow = load_workflow("online" if online else spec.rollout.workflow, run.ctx)
-    run.ctx.evaluate_episode = getattr(workflow, "aevaluate", None)  # agents evaluate their way
+    workflow = load_workflow("online" if online else spec.rollout.workflow, ctx)
+    ctx.evaluate_episode = getattr(workflow, "aevaluate", None)  # agents evaluate their way
     if online:  # the gateway's URL (never its key) in the run's events
-        workflow.file = run_dir / "gateway.json"  # always there: no spec field names a path
-        workflow.on_ready = lambda url: run.sink.event("gateway", f"online gateway at {url}",
-                                                       url=url)
-    run.executor = RolloutExecutor(run.client, workflow, loader, run.staleness,
-                                   dynamic_filter=algo.dynamic_filter,
+        workflow.file = run.run_dir / "gateway.json"  # always there: no spec field names a path
+        workflow.on_ready = lambda url: sink.event("gateway", f"online gateway at {url}",
+                                                   url=url)
+    try:
+        executor = RolloutExecutor(client, workflow, loader, staleness,
+                                   dynamic_filter=run.algo.dynamic_filter,
                                    max_token_staleness=spec.rollout.token_staleness_bound)
-    run.eval_rows = data.eval[: spec.eval.size]
-    run.threads = ThreadShare(spec, run.fleet, run.executor, world)
-    run.profile = RolloutProfile(run.client)
-    return run
+    except BaseException:
+        rewards.close()
+        raise
+    run.rollout = Rollout(
+        tokenizer=tokenizer, sink=sink, client=client, staleness=staleness, rewards=rewards,
+        ctx=ctx, executor=executor, eval_rows=data.eval[: spec.eval.size],
+        eval_overlap=data.overlap, threads=ThreadShare(spec, fleet, executor, run.world),
+        profile=RolloutProfile(client), control=control, fleet=fleet)
+
+
+def _abandon(control: asyncio.AbstractEventLoop, client: RolloutClient, sync: WeightSync,
+             sink: MetricsSink, fleet: Fleet | None) -> None:
+    """Tear down what a rank 0 that failed to connect had started (its Rollout never existed)."""
+    try:
+        control.run_until_complete(_close_control(client, sync))
+        control.close()
+    finally:
+        sink.close()
+        if fleet is not None:
+            fleet.stop()
 
 
 def _resume_rollout(run: Run, resumed: Resumed | None, loader: PromptLoader,
                     resuming: bool) -> None:
     """Bring the rollout side to the checkpoint: its prompts, admission counters, metric lines
     and the servers' weights; or check that fresh servers start at version 0."""
+    side = run.rollout
     if resumed is not None:
         # Prompts in flight or buffered at the checkpoint were never trained on: hand them out
         # again first (checkpoints from before this existed carry only the position).
         state = resumed.state
         loader.restore(state["loader_position"], state.get("pending_prompts"))
-        run.staleness.recover(run.policy.current)
+        side.staleness.recover(run.policy.current)
         dropped = truncate_metrics(run.run_dir, state["step"])
         # What the tracker had not received at the checkpoint may have died with its node.
-        run.sink.redeliver(state.get("undelivered", []))
+        side.sink.redeliver(state.get("undelivered", []))
         # The servers load the checkpoint's weights, as the checkpoint's own version.
-        run.control.run_until_complete(push_weights(run.client, run.sync, run.policy,
-                                                    advance=False))
-        run.sink.event("resumed", f"resumed from {resumed.tag} at version {run.policy.current}",
-                       step=state["step"], discarded_metric_lines=dropped,
-                       requeued_prompts=len(state.get("pending_prompts", [])))
+        side.call(push_weights(side.client, run.sync, run.policy, advance=False))
+        side.sink.event("resumed", f"resumed from {resumed.tag} at version {run.policy.current}",
+                        step=state["step"], discarded_metric_lines=dropped,
+                        requeued_prompts=len(state.get("pending_prompts", [])))
     else:
-        run.control.run_until_complete(run.client.check_versions(0))
+        side.call(side.client.check_versions(0))
         if resuming:
             truncate_metrics(run.run_dir, 0)
-            run.sink.event("resumed", "no complete checkpoint; starting from step 1")
+            side.sink.event("resumed", "no complete checkpoint; starting from step 1")
 
 
 def restore(trainer: TrainEngine, run_dir: Path, sync: WeightSync) -> Resumed | None:

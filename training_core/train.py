@@ -1,30 +1,29 @@
 """The asynchronous RL training loop. Read it top to bottom.
 
 Rollout servers generate all the time (the executor's thread keeps episodes in flight within the
-staleness bound); this loop only consumes. Per step:
+staleness bound); this loop only consumes. Each step, in seven parts:
 
-    wait for a batch -> advantages -> recompute proximal logprobs -> update -> export weights
-    -> PAUSE generation -> servers load the new weights -> advance the version -> RESUME
-    -> evaluate / log / checkpoint (generation already running again)
+    1. take a batch  2. tensors and advantages  3. proximal logprobs  4. update
+    5. export the weights  6. PAUSE generation, the servers load them, RESUME
+    7. evaluate, report, checkpoint (generation already running again)
 
 Generation pauses only for the weight load itself: exporting the weights happens before the pause
-and checkpointing, evaluation and logging after the resume. The parts the loop uses are wired in
-run_setup.py; what a step reports is named in step_metrics.py.
+and checkpointing, evaluation and reporting after the resume. The parts the loop uses are wired
+in run_setup.py (``Run``: every rank's parts, ``Run.rollout``: rank 0's rollout side); what a
+step reports, and where it goes, is step_report.py; the metrics' names are in step_metrics.py.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from training_core import metric_names
 from training_core.algorithms.correction import (
@@ -41,18 +40,11 @@ from training_core.batching import build_train_batch, rows_with_gradient
 from training_core.checkpoint import checkpoint_dir, prune_checkpoints
 from training_core.checkpoint_store import CheckpointStore
 from training_core.config import RunSpec
-from training_core.disk_full import failure_reason
-from training_core.evaluation import evaluate
-from training_core.metrics import BATCH_LOG
-from training_core.reward_failures import RewardFailureWatch
+from training_core.evaluation import evaluate_sets
 from training_core.run_setup import Run, build_run
 from training_core.staleness import rows_needing_proximal
-from training_core.step_metrics import (
-    advantage_metrics,
-    batch_metrics,
-    sample_records,
-    step_metrics,
-)
+from training_core.step_metrics import advantage_metrics
+from training_core.step_report import StepReport
 from training_core.thread_share import ThreadShare
 from training_core.transport.weight_sync import WeightSync, push_weights
 from training_core.update_guard import UpdateRefusals
@@ -64,9 +56,6 @@ from training_core.world import (
     local_rank,
     rank_and_world,
 )
-
-# Episode failures beyond this many per step are counted in rollout/episode_errors, not evented.
-MAX_FAILURE_EVENTS = 5
 
 
 @dataclass
@@ -83,61 +72,41 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
           sink: MetricsSink | None = None) -> RunResult:
     wall_start = time.perf_counter()
     run = build_run(spec, resume_dir=resume_dir, sink=sink)
-    if run.rank != 0:  # data-parallel ranks follow rank 0's collective calls on their shard
+    if run.rollout is None:  # data-parallel ranks follow rank 0's collective calls on their shard
         return follow_rank0(run)
-    algo, trainer, sync, client, executor = run.algo, run.trainer, run.sync, run.client, run.executor
-    sink, policy, B = run.sink, run.policy, spec.trainer.batch_groups
-    timers, reward_watch = Timers(), RewardFailureWatch(spec.reward.max_failing_steps)
-    refusals = UpdateRefusals(spec, sink)
-    first_eval = last_eval = None
-    sink.event("started", f"run {spec.name} at version {policy.current}", run_dir=str(run.run_dir))
-    if spec.metrics.report_status:
-        sink.status("running")
-    batch_log = (run.run_dir / BATCH_LOG).open("a", buffering=1)
-    executor.start()
-    run.profile.sample()  # starts the baseline measurement
-    bar = tqdm(total=spec.trainer.steps, initial=run.first_step - 1, disable=not progress,
-               desc=spec.name, unit="step", dynamic_ncols=True)
+    side, trainer, sync, policy, algo = run.rollout, run.trainer, run.sync, run.policy, run.algo
+    timers, refusals = Timers(), UpdateRefusals(spec, side.sink)
+    report = StepReport(spec, side.sink, run.run_dir, side.tokenizer, side.profile,
+                        first_step=run.first_step, progress=progress)
+    evals = Evaluations(run)
+    report.started(policy.current)
+    side.executor.start()
     step = run.first_step - 1
     try:
-        if spec.eval.every and run.eval_rows and run.first_step == 1:
-            first_eval = run_eval(run, step=0)
-            sink.log(0, {**first_eval, "version": 0})
-
-        step_start = time.perf_counter()
+        if evals.due_before_training():
+            report.evaluated(0, policy.current, evals.evaluate(step=0))
+        report.step_started()
         for step in range(run.first_step, spec.trainer.steps + 1):
 
             # 1. Take the oldest B finished groups (blocks only if generation is behind).
             with timers("wait_rollout"):
-                batch = executor.prepare_batch(B, policy.current,
-                                               timeout_s=spec.rollout.batch_timeout_s)
+                batch = side.executor.prepare_batch(spec.trainer.batch_groups, policy.current,
+                                                    timeout_s=spec.rollout.batch_timeout_s)
             if refusals.rewards_refused(batch.groups, step, run.world):  # [issue 47] no NaN
                 continue  # in (raises when it repeats): see training_core/update_guard.py
-            metrics = batch_metrics(batch.groups, policy.current, algo)
-            batch_log.write(json.dumps({"step": step, "version": policy.current,
-                                        "prompts": [g.prompt_index for g in batch.groups]}) + "\n")
-            for failure in batch.episode_failures[:MAX_FAILURE_EVENTS]:
-                sink.event("episode_failed", failure.message, step=step,
-                           prompt_index=failure.prompt_index)
-            # Failed rewards score 0: the first error of each kind is evented, and the run fails
-            # when most rewards keep failing (it would only look like a hard task).
-            _, new_kinds = reward_watch.observe(
-                [s.info.get("reward_error") for g in batch.groups for s in g.samples])
-            for kind, message in new_kinds:
-                sink.event("reward_error", message[:2000], step=step, error_kind=kind)
-            reward_watch.check()
+            metrics = report.batch_taken(step, policy.current, batch, algo)
 
             # 2. Tensors and advantages (group-normalised outcome rewards, per preset).
             with timers("prepare"):
-                tb = build_train_batch(batch.groups, pad_id=run.tokenizer.pad_token_id, algo=algo,
-                                       max_new_tokens=spec.rollout.max_new_tokens)
+                tb = build_train_batch(batch.groups, pad_id=side.tokenizer.pad_token_id,
+                                       algo=algo, max_new_tokens=spec.rollout.max_new_tokens)
                 metrics.update(advantage_metrics(tb))
                 tb = scatter_batch(tb, run.world)  # this rank's share (all of it with one process)
 
             # 3-5. Proximal logprobs, update, weight export: on every rank (collective_update).
             try:
                 stats = collective_update(trainer, tb, algo, spec, sync, policy.current + 1,
-                                          timers, run.threads)
+                                          timers, side.threads)
             except NonFiniteUpdate as exc:  # [issue 47] refused before the step: nothing pushed
                 refusals.refused(exc, batch.groups, step)  # raises when it repeats
                 continue
@@ -146,56 +115,36 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
             # 6. Pause generation only for the load, then advance the version: in-flight requests
             #    abort and are re-submitted with their partial output once generation continues.
             with timers("weight_sync_pause"):
-                run.control.run_until_complete(push_weights(client, sync, policy))
-            executor.kick()  # the staleness bound just moved: start more episodes
+                side.call(push_weights(side.client, sync, policy))
+            side.executor.kick()  # the staleness bound just moved: start more episodes
 
-            # 7. Evaluate, log, then checkpoint: generation is already running again. The step's
-            #    line is written before its checkpoint completes, so a complete checkpoint of step
-            #    N always has step N's metrics (a resume drops the lines after its checkpoint and
-            #    trains those steps again). Checkpoint time lands in the next step's time/*.
-            if spec.eval.every and run.eval_rows and (step % spec.eval.every == 0
-                                                      or step == spec.trainer.steps):
+            # 7. Evaluate, report, then checkpoint: generation is already running again. The
+            #    step's line is written before its checkpoint completes, so a complete checkpoint
+            #    of step N always has step N's metrics (a resume drops the lines after its
+            #    checkpoint and trains those steps again). Checkpoint time lands in the next
+            #    step's time/*.
+            if evals.due_at(step):
                 with timers("eval"):
-                    last_eval = run_eval(run, step)
-                metrics.update(last_eval)
-            metrics.update(step_metrics(batch, stats, version=policy.current,
-                                        running=run.staleness.stats().running,
-                                        step_time=time.perf_counter() - step_start))
-            step_start = time.perf_counter()
-            metrics.update(timers.pop())
-            metrics.update(run.profile.sample())
-            sink.log(step, metrics)
-            sink.trajectories(step, sample_records(batch.groups, run.tokenizer, n=4,
-                                                   extract=spec.reward.extract))
+                    metrics.update(evals.evaluate(step))
+            report.step_done(step, policy.current, batch, stats, metrics,
+                             running=side.staleness.stats().running, timings=timers.pop())
             saved = checkpoint_if_due(trainer, spec, run.run_dir, step, policy.current,
-                                      lambda: {**executor.resume_state(),
-                                               "undelivered": sink.undelivered()}, timers)
-            if saved is not None:
-                sink.checkpoint(step, policy.current, str(saved.resolve()))
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", v=policy.current,
-                            stale=f"{metrics['staleness/mean']:.2f}",
-                            tok_s=f"{metrics['tokens_per_s']:.0f}")
-        sink.event("finished", f"finished at step {step}, version {policy.current}")
-        if spec.metrics.report_status:
-            sink.status("succeeded")
+                                      lambda: {**side.executor.resume_state(),
+                                               "undelivered": side.sink.undelivered()}, timers)
+            report.checkpointed(step, policy.current, saved)
+        if evals.final_version_missed(step):
+            # The last steps were refused (update_guard): the final version still gets its eval.
+            report.evaluated(step, policy.current, evals.evaluate(step))
+        report.finished(step, policy.current)
     except BaseException as exc:
         if run.world > 1:
             scatter_batch(None, run.world)  # tell the other ranks to stop
-        reason = failure_reason(exc, run.run_dir)  # [issue 47] a full disk is named as such
-        # Each report on its own: a sink that cannot write (a full disk) must neither keep the
-        # status from going out nor replace the run's own error.
-        with suppress(Exception):
-            sink.event("failed", reason, step=step)
-        if spec.metrics.report_status:
-            with suppress(Exception):
-                sink.status("failed", reason)
+        report.failed(exc, step)
         raise
     finally:
-        bar.close()
-        batch_log.close()
+        report.close()
         run.close()
-    return RunResult(run.run_dir, policy.current, step, first_eval, last_eval,
+    return RunResult(run.run_dir, policy.current, step, evals.first, evals.last,
                      time.perf_counter() - wall_start)
 
 
@@ -306,17 +255,46 @@ def reduce_mismatch(sums: dict[str, float], world: int) -> dict[str, float]:
             **dict(zip(MISMATCH_MAX_KEYS, top, strict=True))}
 
 
-def run_eval(run: Run, step: int) -> dict[str, float]:
-    """Greedy evaluation beside training; rows that failed are counted (eval/errors) and the
-    first failure is evented."""
-    errors: list[str] = []
-    rows = run.eval_rows or []
-    out = run.executor.run_coro(evaluate(run.client, run.ctx, rows,
-                                         run.spec.rollout.max_new_tokens, errors))
-    if errors:
-        run.sink.event("eval_errors", f"{len(errors)} of {len(rows)} eval rows failed (scored 0); "
-                       f"first: {errors[0][:2000]}", step=step)
-    return out
+class Evaluations:
+    """When the loop evaluates (before the first step, every ``eval.every`` steps, the last
+    step, and a final version the last steps left unevaluated) and the evaluation itself:
+    greedy, beside training, on the rollout servers; rows that failed are counted (eval/errors)
+    and the first failure is evented."""
+
+    def __init__(self, run: Run):
+        self.run, self.side, self.spec = run, run.rollout, run.spec
+        self.enabled = bool(self.spec.eval.every and self.side.eval_rows)
+        self.first: dict[str, float] | None = None
+        self.last: dict[str, float] | None = None
+        self.version = -1  # the weight version last evaluated: the final one always is
+
+    def due_before_training(self) -> bool:
+        return self.enabled and self.run.first_step == 1
+
+    def due_at(self, step: int) -> bool:
+        return self.enabled and (step % self.spec.eval.every == 0
+                                 or step == self.spec.trainer.steps)
+
+    def final_version_missed(self, step: int) -> bool:
+        return (self.enabled and step >= self.run.first_step
+                and self.version != self.run.policy.current)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        errors: list[str] = []
+        rows = self.side.eval_rows
+        out = self.side.call(evaluate_sets(
+            self.side.client, self.side.ctx, {metric_names.DEFAULT_EVAL_SET: rows},
+            max_new_tokens=self.spec.rollout.max_new_tokens,
+            version=self.run.policy.current, samples=self.spec.eval.samples, k=self.spec.eval.k,
+            overlap=self.side.eval_overlap, errors=errors), beside_episodes=True)
+        if errors:
+            self.side.sink.event("eval_errors", f"{len(errors)} of {len(rows)} eval rows failed "
+                                 f"(scored 0); first: {errors[0][:2000]}", step=step)
+        self.version = self.run.policy.current
+        if step == 0:  # before the first step: the run's starting point
+            self.first = out
+        self.last = out
+        return out
 
 
 def checkpoint_if_due(trainer: TrainEngine, spec: RunSpec, run_dir: Path, step: int,

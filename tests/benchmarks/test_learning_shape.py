@@ -1,6 +1,6 @@
 """benchmarks/learning.py's report, from hand-made run results: the JSON the docs and the issue
 name, with every figure derived from the run's own metrics. Nothing is trained here (the
-real-model run is tests/training_core/test_learning_smollm2.py, slow)."""
+real-model run is tests/training_core/models/test_learning_smollm2.py, slow)."""
 
 from __future__ import annotations
 

@@ -9,9 +9,11 @@ machine has, so what each process would get is checked against what Ray itself s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +48,17 @@ def _alive_nodes() -> dict[str, dict]:
     return {(n.get("Labels") or {}).get(NODE_LABEL, "head"): n for n in ray.nodes() if n["Alive"]}
 
 
+def _until_listening(port: int, head: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Wait until the head's GCS accepts connections on ``port`` (polled, not slept on)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return
+        if head.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the Ray head's GCS never listened on {port}")
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     root = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # Ray's socket paths must be short
@@ -54,7 +67,7 @@ def cluster():
                      "--ray-client-server-port", str(client), "--num-cpus", "0",
                      "--num-gpus", "0", "--include-dashboard", "false"], root, "head")]
     try:
-        time.sleep(3)  # the GCS first: a node that finds none gives up
+        _until_listening(gcs, procs[0])  # the GCS first: a node that finds none gives up
         for i, address in enumerate(NODES):
             procs.append(_start(["--address", f"127.0.0.1:{gcs}", "--node-ip-address", address,
                                  "--num-cpus", "4", "--num-gpus", "8",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tests.training_core import conftest as fixtures
 from tests.training_core.conftest import run_episode
-from tests.training_core.test_agent_workflow import _workflow
+from tests.training_core.workflows.test_agent_workflow import _workflow
 
 server, tiny_model_dir = fixtures.server, fixtures.tiny_model_dir  # a real embedded server
 

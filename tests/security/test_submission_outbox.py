@@ -179,6 +179,7 @@ def _children(pid: int) -> list[int]:
 def test_a_worker_killed_mid_submit_loses_nothing(project, alice, dataset_version,  # noqa: F811
                                                   reward_version, own_redis, tmp_path):  # noqa: F811
     from django.db import connection
+    from orchestration.sealing import CONTROL_KEY_ENV, new_key
 
     from webapp.runs.models import Run, RunToken
     from webapp.runs.services import run_create
@@ -193,6 +194,8 @@ def test_a_worker_killed_mid_submit_loses_nothing(project, alice, dataset_versio
            "OOLONG_PREFECT_MODE": "server", "PREFECT_API_URL": f"http://127.0.0.1:{prefect.port}/api",
            "PREFECT_API_REQUEST_TIMEOUT": "600", "PREFECT_HOME": str(tmp_path / "prefect"),
            "OMP_NUM_THREADS": "1",
+           # server mode seals each submission with the control plane's key (orchestration/sealing.py)
+           CONTROL_KEY_ENV: new_key(),
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "platform")])}
     log = tmp_path / "worker.log"
     worker = subprocess.Popen(

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from tests.training_core.test_deepspeed_trainer import _batch
+from tests.training_core.trainer.test_deepspeed_trainer import _batch
 from training_core.algorithms.loss import decoupled_ppo_loss
 from training_core.algorithms.presets import PRESETS
 from training_core.train import scatter_batch

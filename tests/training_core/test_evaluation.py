@@ -88,3 +88,104 @@ def test_an_eval_row_too_long_for_the_server_is_counted_not_fatal(server, tiny_m
     assert len(errors) == 1 and "PromptTooLong" in errors[0] and "max_req_input_len" in errors[0]
     # the failed row counts as wrong: 3 of 4 right, the denominator keeps every row
     assert metrics["eval/accuracy"] == pytest.approx(3 / 4)
+
+
+def test_every_statistic_of_an_eval_set_through_the_servers(server, tiny_model_dir):
+    """Greedy accuracy, avg@k, pass@k and maj@k with their intervals, the weight version and the
+    measured overlap, for rows whose answers are the server's own greedy completions."""
+    import asyncio
+
+    from training_core.api import SamplingParams
+    from training_core.evaluation import evaluate_sets
+    from training_core.metric_names import EVAL_HELDOUT as H
+    from training_core.rewards.pool import RewardPool
+    from training_core.transport.rollout_client import RolloutClient
+    from training_core.workflows.base import WorkflowContext
+
+    tok = load_tokenizer(tiny_model_dir)
+    rows = []
+    for i in range(4):
+        row = {"question": f"{i}*{i}"}
+        out = generate(server, render_prompt(tok, row, TEMPLATE, False), max_new_tokens=4,
+                       temperature=0.0)
+        rows.append({**row, "answer": tok.decode(out["output_ids"], skip_special_tokens=True)})
+    ctx = WorkflowContext(tokenizer=tok, rewards=RewardPool("builtin:exact", executor="inline"),
+                          sampling=SamplingParams(max_new_tokens=4, temperature=1.0),
+                          group_size=1, prompt_template=TEMPLATE)
+
+    async def run(**kw):
+        client = RolloutClient([server], timeout_s=60)
+        try:
+            return await evaluate_sets(client, ctx, {"heldout": rows}, max_new_tokens=4,
+                                       version=7, overlap={"heldout": 0.0}, **kw)
+        finally:
+            await client.aclose()
+
+    m = asyncio.run(run(samples=3, k=2))
+    assert m[H["greedy_accuracy"]] == 1.0 and m["eval/accuracy"] == 1.0
+    assert m[H["version"]] == 7 and m[H["overlap_train_pool"]] == 0.0
+    assert m[H["questions"]] == 4 and m[H["n"]] == 3 and m[H["k"]] == 2 and m[H["errors"]] == 0
+    for name in ("greedy_accuracy", "avg@k", "pass@k", "maj@k"):
+        assert 0 <= m[H[f"{name}_ci_lo"]] <= m[H[name]] <= m[H[f"{name}_ci_hi"]] <= 1, name
+    # pass@2 is at least the one-sample accuracy (avg@k) on every question, so on their mean.
+    assert m[H["pass@k"]] >= m[H["avg@k"]]
+    # Greedy only: no sampled statistics.
+    greedy = asyncio.run(run())
+    assert H["avg@k"] not in greedy and greedy[H["greedy_accuracy"]] == 1.0
+
+
+def test_an_agent_evaluates_its_own_greedy_episode_and_draws_no_samples(tiny_model_dir):
+    """``ctx.evaluate_episode`` (agent workflows) is what scores each row, also in evaluate_sets."""
+    import asyncio
+
+    from training_core.api import SamplingParams
+    from training_core.evaluation import evaluate, evaluate_sets
+    from training_core.rewards.pool import RewardPool
+    from training_core.workflows.base import WorkflowContext
+
+    asked: list[str] = []
+
+    async def episode(client, item):
+        asked.append(item["question"])
+        return 1.0 if item["question"] == "a" else 0.0
+
+    ctx = WorkflowContext(tokenizer=load_tokenizer(tiny_model_dir),
+                          rewards=RewardPool("builtin:exact", executor="inline"),
+                          sampling=SamplingParams(max_new_tokens=4), group_size=1,
+                          evaluate_episode=episode)
+    rows = [{"question": q, "answer": "x"} for q in ("a", "b")]
+    m = asyncio.run(evaluate_sets(None, ctx, {"tools": rows}, max_new_tokens=4, version=2,
+                                  samples=4))
+    assert m["eval/tools/greedy_accuracy"] == 0.5 and "eval/tools/avg@k" not in m
+    assert sorted(asked) == ["a", "b"]  # one episode per row: no samples drawn
+    assert asyncio.run(evaluate(None, ctx, rows, max_new_tokens=4))["eval/accuracy"] == 0.5
+
+
+@pytest.mark.slow
+def test_a_generator_run_above_10007_rows_reports_overlap_0_and_evaluates_its_final_version(
+        tmp_path):
+    """A real run (tiny model, embedded server, trainer) drawing 10,100 generated rows: its eval
+    set shares no question with the training pool, it says so (eval/heldout/overlap_train_pool
+    = 0), and each eval carries its version and statistics; the final version is evaluated
+    although eval.every does not divide the step count."""
+    from training_core import metric_names
+    from training_core.metrics import read_metrics
+    from training_core.train import train
+
+    spec = load_spec(None, [
+        "model.path=tiny", "rollout.max_new_tokens=8", "rollout.max_concurrent=8",
+        "rollout.group_size=2", "trainer.batch_groups=2", "trainer.steps=3", "checkpoint.every=0",
+        "data.size=10100", "data.options={max_value: 99}", "eval.every=2", "eval.size=6",
+        "eval.samples=2", "reward.fn=builtin:arithmetic", "reward.executor=inline",
+        f"run_dir={tmp_path / 'run'}"])
+    result = train(spec, progress=False)
+    rows = read_metrics(result.run_dir)
+    evals = {r["step"]: r for r in rows if metric_names.EVAL_HELDOUT["version"] in r}
+    assert sorted(evals) == [0, 2, 3]  # before training, every 2 steps, and the final version
+    H = metric_names.EVAL_HELDOUT
+    assert [evals[s][H["version"]] for s in (0, 2, 3)] == [0, 2, 3]
+    for row in evals.values():
+        assert row[H["overlap_train_pool"]] == 0.0 and row[H["questions"]] == 6
+        assert 0 <= row[H["pass@k"]] <= 1 and row[H["n"]] == 2
+    written = {k for r in rows for k in r} - metric_names.LINE_FIELDS
+    assert written <= metric_names.DECLARED, sorted(written - metric_names.DECLARED)

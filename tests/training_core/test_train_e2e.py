@@ -96,7 +96,7 @@ def test_async_steps_versions_staleness_and_weights_reach_the_server(tiny_model_
     assert all(r["proximal/recomputed_frac"] == 0 for r in steps)  # one minibatch: own forward
     assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]
     # Every name the run wrote is declared (training_core.metric_names), so what the charts and
-    # the header read (tests/unit/test_metric_names.py) is what a run produces; and the names
+    # the header read (tests/test_metric_names.py) is what a run produces; and the names
     # every step carries whatever the run are all there.
     written = {k for r in rows for k in r} - metric_names.LINE_FIELDS
     assert written <= metric_names.DECLARED, sorted(written - metric_names.DECLARED)

@@ -15,23 +15,28 @@ def group_advantages(
     group_mean:     A = r - mean(group)            (/ std(group) when normalize_std)
     leave_one_out:  A = r - mean(other samples)    (RLOO; n must be >= 2)
     batch_mean:     A = r - mean(batch)            (/ std(batch) when normalize_std)
+
+    The std is the sample std (Bessel, divides by n - 1) by default, as verl, AReaL and TRL
+    compute it; ``cfg.std_estimator = "population"`` divides by n instead (Oolong's convention
+    before issue 48). With rewards 1, 0, 0, 1 the sample std is 0.577, the population std 0.5.
     """
     if rewards.dim() != 2:
         raise ValueError("rewards must be [groups, group_size]")
     rewards = rewards.to(torch.float32)
     n = rewards.shape[1]
+    unbiased = cfg.std_estimator == "sample"
     if cfg.baseline == "group_mean":
         adv = rewards - rewards.mean(dim=1, keepdim=True)
-        scale = rewards.std(dim=1, keepdim=True, unbiased=False) if n > 1 else None
+        scale = rewards.std(dim=1, keepdim=True, unbiased=unbiased) if n > 1 else None
     elif cfg.baseline == "leave_one_out":
         if n < 2:
             raise ValueError("leave_one_out needs group_size >= 2")
         others = (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1)
         adv = rewards - others
-        scale = rewards.std(dim=1, keepdim=True, unbiased=False)
+        scale = rewards.std(dim=1, keepdim=True, unbiased=unbiased)
     elif cfg.baseline == "batch_mean":
         adv = rewards - rewards.mean()
-        scale = rewards.std(unbiased=False).expand_as(rewards) if rewards.numel() > 1 else None
+        scale = rewards.std(unbiased=unbiased).expand_as(rewards) if rewards.numel() > 1 else None
     else:  # pragma: no cover - guarded by the Literal in AlgorithmConfig
         raise ValueError(f"unknown baseline {cfg.baseline!r}")
     if cfg.normalize_std and scale is not None:

@@ -21,8 +21,9 @@ and the corrections below decide which tokens and sequences the loss keeps and w
   mean log-ratio log(pi_behav / pi_theta) exceeds delta leaves the loss. Negative-advantage
   samples far from the current policy give the largest destabilising pushes.
 
-Log-ratios are clamped to +-20 before ``exp`` (e^20 ~ 5e8): a masked or diverged position can
-hold any gap, and inf times a mask of 0 is NaN.
+Masked positions are *selected* away (``torch.where``), never multiplied by 0: a prompt or pad
+position can hold any logprob, -inf included, and -inf times 0 is NaN. Log-ratios are then
+clamped to +-20 before ``exp`` (e^20 ~ 5e8): a diverged loss token can hold any gap.
 """
 
 from __future__ import annotations
@@ -64,10 +65,16 @@ class Correction:
     opsm_masked: torch.Tensor  # per row: OPSM removed it
 
 
+def masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` on loss tokens, 0 elsewhere, by selection: whatever a masked position holds
+    (inf, NaN) never reaches the result, nor, through ``where``'s backward, the gradient."""
+    return torch.where(mask.bool(), values, torch.zeros_like(values))
+
+
 def log_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
     """log w_t = logp_prox - logp_behav on loss tokens, 0 elsewhere, clamped to +-20."""
-    return ((prox_logp - behav_logp) * mask).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return masked(prox_logp - behav_logp, mask).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
 def token_correction(log_w: torch.Tensor, mask: torch.Tensor, mode: str, low: float,
@@ -119,7 +126,7 @@ def opsm_mask(behav_logp: torch.Tensor, logp: torch.Tensor, advantages: torch.Te
     if delta is None:
         return rows
     n = mask.sum(dim=1).clamp(min=1.0)
-    mean_lr = ((behav_logp - logp.detach()) * mask).sum(dim=1) / n
+    mean_lr = masked(behav_logp - logp.detach(), mask).sum(dim=1) / n
     negative = (advantages * mask).sum(dim=1) < 0
     return (negative & (mean_lr > delta) & (mask.sum(dim=1) > 0)).to(mask.dtype)
 
@@ -155,7 +162,7 @@ def mismatch_sums(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch
     k1 = -log r (unbiased, can be negative on a batch), k3 = r - 1 - log r (unbiased, >= 0)."""
     with torch.no_grad():
         m = mask.to(torch.float64)
-        diff = (prox_logp.to(torch.float64) - behav_logp.to(torch.float64)) * m
+        diff = masked(prox_logp.to(torch.float64) - behav_logp.to(torch.float64), m)
         log_r = diff.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         r = torch.exp(log_r) * m
         any_token = bool(m.sum() > 0)

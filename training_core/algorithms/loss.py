@@ -10,8 +10,12 @@ cap (``behav_weight_mode``), as before the correction block existed. The loss is
 sum(l_t) / num_tokens, where ``num_tokens`` is the output-token count of the *global* batch so
 micro-batches add up to a token mean over the whole batch (every preset; see presets.py).
 
-Log-ratios are multiplied by the mask *before* ``exp``: a padded or prompt position can hold any
-logit gap, and exp(gap) = inf times a mask of 0 is NaN.
+Masked positions are selected away (``torch.where``, correction.masked) *before* ``exp`` and
+before the sum, never multiplied by 0: a padded or prompt position can hold any logprob, -inf
+included, and exp(gap) = inf (or -inf itself) times a mask of 0 is NaN.
+
+The clip fraction counts the tokens the loss keeps: a token the rollout correction removed
+contributes nothing, so it is not counted as clipped either.
 
 KL penalty (``kl_coef > 0``): k2 = (logp_theta - logp_ref)^2 / 2 is added per token to the loss.
 Its gradient, (logp_theta - logp_ref) * grad logp_theta, is in expectation over on-policy samples
@@ -29,6 +33,7 @@ import torch
 from training_core.algorithms.correction import (
     CorrectionConfig,
     apply_correction,
+    masked,
     mismatch_sums,
 )
 from training_core.algorithms.presets import AlgorithmConfig
@@ -81,12 +86,11 @@ def decoupled_ppo_loss(
     correction: CorrectionConfig | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     mask = mask.to(logp.dtype)
-    ratio = torch.exp((logp - prox_logp) * mask)
+    ratio = torch.exp(masked(logp - prox_logp, mask))
     clipped_ratio = ratio.clamp(1.0 - cfg.eps_clip_low, 1.0 + cfg.eps_clip_high)
     surr1 = -advantages * ratio
     surr2 = -advantages * clipped_ratio
     per_token = torch.maximum(surr1, surr2)
-    clipped = (surr2 > surr1).to(logp.dtype) * mask
 
     generated = mask  # the token count of the stats: before the correction masks any
     mismatch: dict[str, float] = {}
@@ -109,14 +113,16 @@ def decoupled_ppo_loss(
     if cfg.kl_coef > 0:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs ref_logp")
-        log_ratio = (logp - ref_logp) * mask
+        log_ratio = masked(logp - ref_logp, mask)
         per_token = per_token + cfg.kl_coef * 0.5 * log_ratio.square()  # k2: see the module doc
         with torch.no_grad():
             k3 = torch.exp(-log_ratio) + log_ratio - 1.0
-        kl_sum = float((k3 * mask).sum())
+        kl_sum = float(masked(k3, mask).sum())
 
-    loss = (per_token * mask).sum() / max(num_tokens, 1.0)
-    wm = w.detach() * mask
+    loss = masked(per_token, mask).sum() / max(num_tokens, 1.0)
+    wm = masked(w.detach(), mask)
+    # After the correction: ``mask`` is what the loss keeps.
+    clipped = masked((surr2 > surr1).to(logp.dtype), mask)
     stats = LossStats(
         tokens=float(generated.sum()),
         clipped=float(clipped.sum()),

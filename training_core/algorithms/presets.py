@@ -18,6 +18,9 @@ from typing import Literal
 class AlgorithmConfig:
     baseline: Literal["group_mean", "leave_one_out", "batch_mean"] = "group_mean"
     normalize_std: bool = True
+    # The reward std advantages divide by: "sample" (n - 1, as verl, AReaL and TRL) or
+    # "population" (n). Only read when normalize_std is on.
+    std_estimator: Literal["sample", "population"] = "sample"
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.2
     decoupled: bool = True

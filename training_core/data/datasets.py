@@ -11,11 +11,12 @@ import json
 import random
 import re
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from training_core.data.synthetic import arithmetic_items
+from training_core.metric_names import DEFAULT_EVAL_SET
 
 GSM8K_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.S)
 
@@ -84,10 +85,57 @@ def reasoning_gym_rows(name: str, size: int, seed: int, options: dict[str, Any])
     return rows
 
 
+# Generators draw the eval set from seed ``seed + EVAL_SEED_OFFSET``. reasoning-gym seeds item i
+# with Random(seed + i), so an offset within reach of data.size made eval row j training row
+# offset + j (the old offset, 10_007, did for every run with the default 100,000 rows). Training
+# uses seeds seed .. seed + size - 1; the offset is far above any size a spec may ask for
+# (MAX_GENERATED_ROWS), so the two streams cannot meet.
+EVAL_SEED_OFFSET = 2**40
+MAX_GENERATED_ROWS = 2**32
+
+
+def question_key(question: Any) -> str:
+    """A question's identity for the held-out split: its text with case and runs of whitespace
+    ignored ("What is 2+2?" and "what is  2+2? " are one question)."""
+    return " ".join(str(question).split()).casefold()
+
+
+def overlap_fraction(eval_rows: list[dict[str, Any]], train_rows: list[dict[str, Any]]) -> float:
+    """The fraction of the eval set's distinct questions that are also in the training pool."""
+    asked = {question_key(r["question"]) for r in eval_rows}
+    if not asked:
+        return 0.0
+    pool = {question_key(r["question"]) for r in train_rows}
+    return len(asked & pool) / len(asked)
+
+
+def distinct_questions(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first row of each question, in order: an eval set asks each question once."""
+    seen: set[str] = set()
+    out = []
+    for row in rows:
+        key = question_key(row["question"])
+        if key not in seen:
+            seen.add(key)
+            out.append(row)
+    return out
+
+
 @dataclass
 class LoadedData:
+    """The training pool and the eval sets (name -> rows), disjoint by question unless the spec
+    says an overlap is intended (``data.allow_eval_overlap``). ``overlap`` is what was measured
+    per eval set: the fraction of its questions also in ``train``."""
+
     train: list[dict[str, Any]]
     eval: list[dict[str, Any]]
+    eval_sets: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    overlap: dict[str, float] = field(default_factory=dict)
+    removed_from_train: int = 0  # training rows dropped because an eval set asks their question
+
+    def __post_init__(self) -> None:
+        if not self.eval_sets:
+            self.eval_sets = {DEFAULT_EVAL_SET: self.eval}
 
 
 def _normalise(rows: list[dict[str, Any]], qf: str, af: str, origin: str) -> list[dict[str, Any]]:
@@ -132,23 +180,89 @@ def load_rows(source: str, *, options: dict[str, Any], size: int, seed: int,
 
 
 def load_data(spec_data: Any, seed: int) -> LoadedData:
-    """Split rows into train and a held-out eval set (generators draw eval with another seed)."""
+    """The training pool and the held-out eval set, disjoint by question (:func:`question_key`).
+
+    Generators draw eval rows from their own seed stream (EVAL_SEED_OFFSET), each question
+    once; files split by distinct question, so every copy of a question lands on one side. Either
+    way at most ``data.eval_size`` questions and a fifth of the distinct questions are held out. Then
+    every training row that asks an eval question is removed (a generator with a small question
+    space repeats questions across streams), unless ``data.allow_eval_overlap`` says an
+    in-sample evaluation is intended. The measured overlap is kept per set; one above 0 that
+    the spec did not allow is an error."""
     kind = spec_data.source.split(":", 1)[0]
     common = dict(options=spec_data.options, question_field=spec_data.question_field,
                   answer_field=spec_data.answer_field)
     if kind in ("synthetic", "reasoning_gym"):
+        if spec_data.size > MAX_GENERATED_ROWS:
+            raise DatasetError(f"data.size {spec_data.size} is above {MAX_GENERATED_ROWS}: the "
+                               "eval seed stream must stay out of the training seeds' reach")
         train = load_rows(spec_data.source, size=spec_data.size, seed=seed, **common)
-        evals = load_rows(spec_data.source, size=max(spec_data.eval_size, 1), seed=seed + 10_007,
-                          **common)[: spec_data.eval_size]
-        return LoadedData(train, evals)
-    rows = load_rows(spec_data.source, size=spec_data.size, seed=seed, **common)
-    if not rows:
-        raise DatasetError(f"data.source {spec_data.source!r} has no rows")
-    rng = random.Random(seed)
-    order = list(range(len(rows)))
-    rng.shuffle(order)
-    n_eval = min(spec_data.eval_size, len(rows) // 5)
-    return LoadedData([rows[i] for i in order[n_eval:]], [rows[i] for i in order[:n_eval]])
+        # As for files, at most a fifth of the questions the training draw holds are held out:
+        # a small question space (two terms of 0..9: 100 questions) keeps most of them to train.
+        space = len({question_key(r["question"]) for r in train})
+        evals = _generated_eval(spec_data, min(spec_data.eval_size, space // 5), seed, common)
+    else:
+        rows = load_rows(spec_data.source, size=spec_data.size, seed=seed, **common)
+        if not rows:
+            raise DatasetError(f"data.source {spec_data.source!r} has no rows")
+        train, evals = split_by_question(rows, spec_data.eval_size, seed)
+    return held_out(train, {DEFAULT_EVAL_SET: evals},
+                    allow_overlap=bool(getattr(spec_data, "allow_eval_overlap", False)),
+                    source=spec_data.source)
+
+
+def _generated_eval(spec_data: Any, want: int, seed: int,
+                    common: dict[str, Any]) -> list[dict[str, Any]]:
+    """``want`` distinct questions from the eval seed stream; a small question space repeats
+    itself, so up to four times as many rows are drawn to find them."""
+    if want == 0:
+        return []
+    for draw in (want, 4 * want):
+        rows = load_rows(spec_data.source, size=draw, seed=seed + EVAL_SEED_OFFSET, **common)
+        found = distinct_questions(rows)
+        if len(found) >= want:
+            break
+    return found[:want]
+
+
+def split_by_question(rows: list[dict[str, Any]], eval_size: int,
+                      seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A file's rows split by distinct question: a seeded shuffle of the questions, the first
+    ``min(eval_size, questions // 5)`` held out (their first row each), every row of the others
+    trained on. Copies of an eval question never reach training."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(question_key(row["question"]), []).append(row)
+    keys = list(groups)
+    random.Random(seed).shuffle(keys)
+    n_eval = min(eval_size, len(keys) // 5)
+    evals = [groups[k][0] for k in keys[:n_eval]]
+    held = set(keys[:n_eval])
+    return [r for r in rows if question_key(r["question"]) not in held], evals
+
+
+def held_out(train: list[dict[str, Any]], eval_sets: dict[str, list[dict[str, Any]]], *,
+             allow_overlap: bool, source: str) -> LoadedData:
+    """Remove every eval question from the training pool (unless ``allow_overlap``), measure
+    what overlap is left per set, and refuse one the spec did not allow."""
+    removed = 0
+    if not allow_overlap:
+        asked = {question_key(r["question"]) for rows in eval_sets.values() for r in rows}
+        kept = [r for r in train if question_key(r["question"]) not in asked]
+        removed, train = len(train) - len(kept), kept
+        if not train:
+            raise DatasetError(
+                f"data.source {source!r}: every training question is also an eval question, so "
+                "nothing is left to train on; lower data.eval_size, widen the generator's "
+                "question space (data.options), or set data.allow_eval_overlap: true for an "
+                "in-sample evaluation")
+    overlap = {name: overlap_fraction(rows, train) for name, rows in eval_sets.items()}
+    leaked = {name: value for name, value in overlap.items() if value > 0}
+    if leaked and not allow_overlap:  # the removal above makes this a broken invariant
+        raise DatasetError(f"eval sets {sorted(leaked)} share questions with the training pool "
+                           f"({leaked}); set data.allow_eval_overlap: true if that is intended")
+    first = next(iter(eval_sets.values()), [])
+    return LoadedData(train, first, dict(eval_sets), overlap, removed)
 
 
 class PromptLoader:

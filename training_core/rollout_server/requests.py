@@ -2,7 +2,7 @@
 
 The embedded server stands in for SGLang on CPU machines: where the two answer the same request
 differently, the CPU tests train on data production never sees. Each rule below names where
-SGLang has it (the wheel is the oracle: tests/training_core/test_sglang_parity.py executes the
+SGLang has it (the wheel is the oracle: tests/training_core/rollout_server/test_sglang_parity.py executes the
 release's own code against these functions):
 
 - the HTTP contract gate (``sglang/api/v1/api_types.py``): unknown top-level keys are ignored,

@@ -61,6 +61,7 @@ MEMBER_LIMITS: dict[str, float] = {
     # disk and eval time
     "checkpoint.keep": 10,
     "eval.size": 10_000,
+    "eval.samples": 64,  # completions per eval question, each eval
     # how long a stuck or lost run holds its machines, and how often it starts again
     "orchestration.placement.trainer_nodes": 8,
     "orchestration.placement.trainer_gpus_per_node": 8,
@@ -87,6 +88,9 @@ COSTLESS_FIELDS: dict[str, str] = {
     "trainer.grad_clip": "a coefficient",
     "checkpoint.every": "steps between checkpoints: larger costs less",
     "eval.every": "steps between evals: larger costs less",
+    "eval.k": "a statistic of the eval.samples already drawn (at most eval.samples)",
+    "data.allow_eval_overlap": "a switch: eval questions stay in the training pool (in-sample "
+                               "evaluation, recorded as such); removes nothing, costs nothing",
     "orchestration.placement.server_nodes": "node indices: the run's nodes bound them",
     "algorithm.*": "loss coefficients",
 }
