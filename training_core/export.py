@@ -92,13 +92,19 @@ def weight_sources(run_dir: str | Path) -> dict[int, WeightSource]:
     return dict(sorted(found.items()))
 
 
+# The version an evaluation was taken at, as the evaluation itself records it (else the line's).
+EVAL_VERSION = metric_names.EVAL_HELDOUT["version"]
+
+
 def recorded_evaluations(run_dir: str | Path) -> dict[int, dict[str, float]]:
-    """version -> the held-out evaluation metrics (``eval/*``) recorded at it in metrics.jsonl."""
+    """version -> the held-out evaluation metrics (``eval/*``, intervals included) recorded at it
+    in metrics.jsonl."""
     out: dict[int, dict[str, float]] = {}
     for r in read_metrics(run_dir):
         evals = {k: v for k, v in r.items() if k.startswith("eval/") and isinstance(v, int | float)}
-        if evals and "version" in r:
-            out.setdefault(int(r["version"]), {}).update(evals)
+        version = evals.get(EVAL_VERSION, r.get("version"))
+        if evals and version is not None:
+            out.setdefault(int(version), {}).update(evals)
     return out
 
 
@@ -358,8 +364,7 @@ def model_card(record: dict[str, Any]) -> str:
              f"| weights from | {record['source']['kind']} (`{record['source']['path']}`) |", "",
              "## Evaluation of this version", ""]
     if record["evaluation"]:
-        lines += ["| metric | value |", "|---|---|",
-                  *[f"| `{k}` | {v:.4g} |" for k, v in record["evaluation"].items()]]
+        lines += ["| metric | value | 95% interval |", "|---|---|---|", *_evaluation_rows(record["evaluation"])]
     else:
         lines.append("None recorded for this version.")
     prompt = record["prompt"]
@@ -370,6 +375,18 @@ def model_card(record: dict[str, Any]) -> str:
               "", "## The resolved run spec", "", "```yaml",
               yaml.safe_dump(record["spec"], sort_keys=False).strip(), "```", ""]
     return "\n".join(lines)
+
+
+def _evaluation_rows(evaluation: dict[str, float]) -> list[str]:
+    """One row per metric, its ``_ci_lo``/``_ci_hi`` pair beside it (issue 48's intervals)."""
+    rows = []
+    for key, value in evaluation.items():
+        if key.endswith(("_ci_lo", "_ci_hi")) or key == EVAL_VERSION:
+            continue
+        lo, hi = evaluation.get(f"{key}_ci_lo"), evaluation.get(f"{key}_ci_hi")
+        interval = f"{lo:.3g} – {hi:.3g}" if lo is not None and hi is not None else ""
+        rows.append(f"| `{key}` | {value:.4g} | {interval} |")
+    return rows
 
 
 def _code_line(code: dict[str, str]) -> str:

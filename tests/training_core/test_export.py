@@ -99,6 +99,7 @@ def test_an_exported_version_gives_the_runs_greedy_answers_in_transformers(finis
     assert "`tiny`" in card and "synthetic:arithmetic" in card
     assert "rewards_for_tests:digit_reward" in card and "`eval/accuracy`" in card
     assert "commit `" in card and "max_staleness: 1" in card
+    assert "| `eval/heldout/greedy_accuracy` |" in card and " – " in card  # with its interval
     record = json.loads((out / "oolong.json").read_text())
     assert record["version"] == 4 and record["step"] == 4
     assert set(record["evaluation"]) >= {"eval/accuracy", "eval/reward"}

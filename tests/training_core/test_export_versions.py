@@ -119,3 +119,19 @@ def test_a_version_retired_while_it_is_read_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(safetensors.torch, "load_file", read_while_the_trainer_pushes)
     with pytest.raises(ExportError, match="version 5 was retired by the running trainer"):
         load_state(source)
+
+
+def test_an_evaluation_counts_at_the_version_it_records(tmp_path):
+    """issue 48's harness records the version each evaluation was taken at; it wins over the
+    line's own version, and the card shows each metric with its interval."""
+    from training_core.export import _evaluation_rows
+
+    run = _run_dir(tmp_path, LINES + [{"step": 8, "version": 7, "eval/heldout/version": 6,
+                                       "eval/heldout/greedy_accuracy": 0.9,
+                                       "eval/heldout/greedy_accuracy_ci_lo": 0.6,
+                                       "eval/heldout/greedy_accuracy_ci_hi": 0.98}])
+    evals = recorded_evaluations(run)
+    assert evals[6]["eval/heldout/greedy_accuracy"] == 0.9 and 7 not in evals
+    assert evals[6]["eval/accuracy"] == 0.4  # step 7's line, version 6
+    assert _evaluation_rows(evals[6]) == ["| `eval/accuracy` | 0.4 |  |",
+                                          "| `eval/heldout/greedy_accuracy` | 0.9 | 0.6 – 0.98 |"]

@@ -49,7 +49,10 @@ def finished(run, tmp_path, monkeypatch):
         save_file(_weights(0.01 * v), str(run_dir / "weights" / f"v{v}" / "model.safetensors"))
     metrics_ingest(run=run, points=[
         {"key": "eval/accuracy", "step": 2, "value": 0.7}, {"key": "version", "step": 2, "value": 2},
-        {"key": "eval/accuracy", "step": 3, "value": 0.5}, {"key": "version", "step": 3, "value": 3}])
+        {"key": "eval/accuracy", "step": 3, "value": 0.5}, {"key": "version", "step": 3, "value": 3},
+        # an evaluation that recorded its own version: counted there, not at the step's
+        {"key": "eval/heldout/greedy_accuracy", "step": 4, "value": 0.9},
+        {"key": "eval/heldout/version", "step": 4, "value": 3}, {"key": "version", "step": 4, "value": 4}])
     run_status_set(run=run, status="running")
     run_status_set(run=run, status="succeeded")
     return run
@@ -90,6 +93,8 @@ def test_best_is_exported_and_registered_with_its_lineage(api, finished, dataset
     assert again["status"] == "failed" and f"registered as model version {m['id']}" in again["error"]
     latest = _export(api, finished, "latest", name="arith")
     assert (latest["status"], latest["version"], latest["name"]) == ("ready", 3, "arith")
+    assert latest["evaluation"] == {"eval/accuracy": 0.5, "eval/heldout/greedy_accuracy": 0.9,
+                                    "eval/heldout/version": 3}
 
     listed = api.get("/api/models/", {"run": finished.id, "status": "ready"}).json()
     assert {r["id"] for r in listed["results"]} == {m["id"], latest["id"]}

@@ -47,12 +47,15 @@ def project_alias_list(*, project_id: int) -> QuerySet[ModelAlias]:
 def run_evaluations(*, run: Run) -> dict[int, dict[str, float]]:
     """version -> the held-out metrics (``eval/*``) the tracker recorded at it: a step's version
     is its ``version`` metric (what training_core.export ranks ``best`` by)."""
-    points = MetricPoint.objects.filter(run=run).filter(key__startswith="eval/").values_list(
-        "step", "key", "value")
+    points = list(MetricPoint.objects.filter(run=run).filter(key__startswith="eval/").values_list(
+        "step", "key", "value"))
     version_at = dict(MetricPoint.objects.filter(run=run, key=M.VERSION).values_list("step", "value"))
     version_at.setdefault(0, 0.0)  # the evaluation before training is version 0's
+    # the version the evaluation itself recorded wins over the step's (issue 48's harness)
+    taken_at = {step: value for step, key, value in points if key == M.EVAL_HELDOUT["version"]}
     out: dict[int, dict[str, float]] = {}
     for step, key, value in points:
-        if step in version_at:
-            out.setdefault(int(version_at[step]), {})[key] = value
+        version = taken_at.get(step, version_at.get(step))
+        if version is not None:
+            out.setdefault(int(version), {})[key] = value
     return out
