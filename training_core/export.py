@@ -171,6 +171,8 @@ def _identity(path: Path) -> tuple[int, int, int] | None:
 
 # DeepSpeed names the file holding the module and the client state by the ZeRO stage.
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+# torch's switch that makes every torch.load weights-only, even one asking otherwise.
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 
 
 def _checkpoint_state(source: WeightSource) -> dict[str, Any]:
@@ -228,9 +230,6 @@ def _weights_only(*, force: bool = False) -> Iterator[None]:
                 os.environ.pop(FORCE_WEIGHTS_ONLY, None)
             else:
                 os.environ[FORCE_WEIGHTS_ONLY] = before
-
-
-FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 
 
 # ---- writing the folder ------------------------------------------------------------------------
