@@ -22,9 +22,6 @@ from training_core.processes import Fleet, ManagedProcess, process_env
 from training_core.transport.server_auth import SERVER_KEY_ENV
 
 SGLANG_PYTHON_ENV = "OOLONG_SGLANG_PYTHON"  # the interpreter of SGLang's own environment
-# A node announces the address other nodes reach it at (set by the node's worker); otherwise the
-# address this machine uses to reach the first server (weight_sync.node_address).
-NODE_ADDRESS_ENV = "OOLONG_NODE_ADDRESS"
 
 
 def embedded_server_command(model_path: str, port: int, *, dtype: str, host: str = "127.0.0.1",

@@ -41,8 +41,7 @@ import torch
 
 from training_core.api import RolloutServerError, TrainEngine, WeightReceiver
 from training_core.checkpoint import CURRENT_WEIGHTS, pushed_weights
-from training_core.launch import NODE_ADDRESS_ENV
-from training_core.ports import free_port
+from training_core.ports import NODE_ADDRESS_ENV, free_port
 from training_core.transport.weight_group import (
     DEFAULT_GROUP_NAME,
     backend_for,
