@@ -189,3 +189,50 @@ def test_a_generator_run_above_10007_rows_reports_overlap_0_and_evaluates_its_fi
         assert 0 <= row[H["pass@k"]] <= 1 and row[H["n"]] == 2
     written = {k for r in rows for k in r} - metric_names.LINE_FIELDS
     assert written <= metric_names.DECLARED, sorted(written - metric_names.DECLARED)
+
+
+@pytest.mark.slow
+def test_oolong_eval_evaluates_a_stored_version_of_a_finished_run(tmp_path, capsys):
+    """``oolong eval RUN_DIR``: the last stored version on the run's own eval set gives the
+    greedy accuracy the run measured at that version through its server; another set that
+    shares questions with the training pool is refused unless --allow-overlap says so."""
+    import json
+
+    from training_core import metric_names
+    from training_core.cli import main
+    from training_core.metrics import read_metrics
+    from training_core.train import train
+
+    spec = load_spec(None, [
+        "model.path=tiny", "rollout.max_new_tokens=8", "rollout.max_concurrent=8",
+        "rollout.group_size=2", "trainer.batch_groups=2", "trainer.steps=2", "checkpoint.every=0",
+        "data.size=2000", "data.options={max_value: 9}", "eval.every=2", "eval.size=8",
+        "reward.fn=builtin:arithmetic", "reward.executor=inline", f"run_dir={tmp_path / 'run'}"])
+    run_dir = train(spec, progress=False).run_dir
+    H = metric_names.EVAL_HELDOUT
+    measured = next(r for r in read_metrics(run_dir) if r.get(H["version"]) == 2)
+
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(run_dir), "--samples", "3", "--k", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    m = result["metrics"]
+    assert result["version"] == 2 and result["set"] == "heldout"
+    assert m[H["version"]] == 2 and m[H["questions"]] == 8 and m[H["overlap_train_pool"]] == 0
+    assert m[H["greedy_accuracy"]] == measured[H["greedy_accuracy"]]
+    assert m[H["n"]] == 3 and m[H["k"]] == 2 and 0 <= m[H["pass@k"]] <= 1
+
+    # Questions of the run's 100-question space, most in its training pool: refused.
+    rows = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(3)]
+    path = tmp_path / "train_like.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "--data", f"jsonl:{path}"]) == 2
+    assert "--allow-overlap" in capsys.readouterr().err
+    assert main(["eval", str(run_dir), "--data", f"jsonl:{path}", "--allow-overlap",
+                 "--version", "0"]) == 0
+    other = json.loads(capsys.readouterr().out)
+    assert other["set"] == "train_like" and other["version"] == 0
+    # in the pool, but for those the run holds out in its own eval set
+    assert other["metrics"]["eval/train_like/overlap_train_pool"] > 0.5
+    assert main(["eval", str(run_dir), "--version", "7"]) == 2
+    assert "no such weights" in capsys.readouterr().err
