@@ -324,7 +324,8 @@ def run_eval(run: Run, step: int) -> dict[str, float]:
         version=run.policy.current, samples=run.spec.eval.samples, k=run.spec.eval.k,
         overlap=run.eval_overlap, errors=errors))
     if errors:
-        run.sink.event("eval_errors", f"{len(errors)} of {len(rows)} eval rows failed (scored 0); "
+        run.sink.event("eval_errors", f"{len(errors)} eval completions on {len(rows)} rows failed "
+                       "(scored 0); "
                        f"first: {errors[0][:2000]}", step=step)
     return out
 
