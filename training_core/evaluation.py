@@ -2,7 +2,8 @@
 
 Two ways to generate, one way to prompt and to score: prompts are rendered like training's
 (``render_prompt``: the template and the chat template), completions are scored by the run's
-reward with its answer extraction, and both report :func:`eval_metrics`.
+reward with its answer extraction, and both report :func:`eval_metrics` and
+:func:`training_core.eval_stats.set_statistics`.
 
 - :func:`evaluate_sets` generates through the rollout servers, beside training (train.py): per
   eval set, a greedy completion and ``eval.samples`` sampled ones per question, reported as
@@ -11,7 +12,8 @@ reward with its answer extraction, and both report :func:`eval_metrics`.
   :func:`evaluate` is its greedy part alone.
 - ``offline_eval.evaluate_weights`` loads a run's pushed weights into an embedded engine in this
   process and generates every row at once: the offline evaluation job (a Celery worker runs it
-  for the web app).
+  for the web app). ``offline_eval.evaluate_version`` does the same with every statistic of
+  :func:`evaluate_sets`: ``oolong eval`` (eval_cli.py).
 """
 
 from __future__ import annotations

@@ -185,18 +185,17 @@ def load_data(spec_data: Any, seed: int) -> LoadedData:
     Generators draw eval rows from their own seed stream (EVAL_SEED_OFFSET), each question
     once; files split by distinct question, so every copy of a question lands on one side. Either
     way at most ``data.eval_size`` questions are held out, and at most a fifth of the training
-    draw's distinct questions leave it for them. Then
-    every training row that asks an eval question is removed (a generator with a small question
-    space repeats questions across streams), unless ``data.allow_eval_overlap`` says an
-    in-sample evaluation is intended. The measured overlap is kept per set; one above 0 that
-    the spec did not allow is an error."""
+    draw's distinct questions leave it for them. Then every training row that asks an eval
+    question is removed (a generator with a small question space repeats questions across
+    streams), unless ``data.allow_eval_overlap`` says an in-sample evaluation is intended. The
+    measured overlap is kept per set; one above 0 that the spec did not allow is an error."""
     kind = spec_data.source.split(":", 1)[0]
     common = dict(options=spec_data.options, question_field=spec_data.question_field,
                   answer_field=spec_data.answer_field)
     if kind in ("synthetic", "reasoning_gym"):
         if spec_data.size > MAX_GENERATED_ROWS:
             raise DatasetError(f"data.size {spec_data.size} is above {MAX_GENERATED_ROWS}: the "
-                               "eval seed stream must stay out of the training seeds' reach")
+                               "eval seed stream must stay out of the training seeds' reach; lower data.size")
         train = load_rows(spec_data.source, size=spec_data.size, seed=seed, **common)
         evals = _generated_eval(spec_data, train, seed, common)
     else:
