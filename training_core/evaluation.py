@@ -56,7 +56,8 @@ async def _score_rows(client: InferenceEngine, ctx: WorkflowContext, rows: list[
     its message goes to ``failed``. Agent workflows (``ctx.evaluate_episode``) evaluate their own
     greedy episode and draw no samples."""
     greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
-    sampled = replace(ctx.sampling, max_new_tokens=max_new_tokens, greedy=False)
+    sampled = replace(ctx.sampling, max_new_tokens=max_new_tokens, greedy=False) \
+        if samples else greedy
 
     async def one(item: dict[str, Any], params: SamplingParams) -> tuple[float, str | None]:
         try:
