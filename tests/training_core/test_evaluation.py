@@ -164,10 +164,11 @@ def test_an_agent_evaluates_its_own_greedy_episode_and_draws_no_samples(tiny_mod
 @pytest.mark.slow
 def test_a_generator_run_above_10007_rows_reports_overlap_0_and_evaluates_its_final_version(
         tmp_path):
-    """A real run (tiny model, embedded server, trainer) drawing 10,100 generated rows: its eval
-    set shares no question with the training pool, it says so (eval/heldout/overlap_train_pool
-    = 0), and each eval carries its version and statistics; the final version is evaluated
-    although eval.every does not divide the step count."""
+    """A real run (tiny model, embedded server, trainer) drawing 10,100 reasoning-gym rows, which
+    seeds item i with seed + i (the old eval seed, seed + 10_007, made eval row j training row
+    10_007 + j): its eval set shares no question with the training pool, it says so
+    (eval/heldout/overlap_train_pool = 0), and each eval carries its version and statistics; the
+    final version is evaluated although eval.every does not divide the step count."""
     from training_core import metric_names
     from training_core.metrics import read_metrics
     from training_core.train import train
@@ -175,8 +176,9 @@ def test_a_generator_run_above_10007_rows_reports_overlap_0_and_evaluates_its_fi
     spec = load_spec(None, [
         "model.path=tiny", "rollout.max_new_tokens=8", "rollout.max_concurrent=8",
         "rollout.group_size=2", "trainer.batch_groups=2", "trainer.steps=3", "checkpoint.every=0",
-        "data.size=10100", "data.options={max_value: 99}", "eval.every=2", "eval.size=6",
-        "eval.samples=2", "reward.fn=builtin:arithmetic", "reward.executor=inline",
+        "data.source=reasoning_gym:basic_arithmetic", "data.size=10100",
+        "data.options={max_terms: 2, max_digits: 1}", "eval.every=2", "eval.size=6",
+        "eval.samples=2", "reward.fn=builtin:reasoning_gym", "reward.executor=inline",
         f"run_dir={tmp_path / 'run'}"])
     result = train(spec, progress=False)
     rows = read_metrics(result.run_dir)
