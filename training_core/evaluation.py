@@ -111,11 +111,14 @@ async def evaluate_sets(client: InferenceEngine, ctx: WorkflowContext,
                         sets: dict[str, list[dict[str, Any]]], *, max_new_tokens: int,
                         version: int, samples: int = 0, k: int | None = None,
                         overlap: dict[str, float] | None = None,
+                        seen: dict[str, float] | None = None,
                         errors: list[str] | None = None) -> dict[str, float]:
     """Every eval set at one weight version: ``eval/<set>/...`` (greedy accuracy; with
     ``samples`` > 0 also avg@k, pass@k and maj@k; each with its 95% interval; the version; the
-    measured ``overlap_train_pool`` when ``overlap`` gives it). The first set also reports the
-    older ``eval/accuracy``, ``eval/reward`` and ``eval/errors`` (charts and the CLI read them).
+    measured ``overlap_train_pool`` when ``overlap`` gives it, and ``seen_in_trained_batch``,
+    the fraction of its questions some training batch held so far, when ``seen`` does). The
+    first set also reports the older ``eval/accuracy``, ``eval/reward`` and ``eval/errors``
+    (charts and the CLI read them).
     Failures score 0 and are counted, as in :func:`evaluate`."""
     out: dict[str, float] = {}
     for i, (name, rows) in enumerate(sets.items()):
@@ -132,6 +135,8 @@ async def evaluate_sets(client: InferenceEngine, ctx: WorkflowContext,
         stats.update({"version": float(version), "errors": float(len(failed))})
         if overlap is not None and name in overlap:
             stats["overlap_train_pool"] = overlap[name]
+        if seen is not None and name in seen:
+            stats["seen_in_trained_batch"] = seen[name]
         out.update({eval_set_metric(name, key): value for key, value in stats.items()})
         if i == 0:
             out.update({**eval_metrics([r.greedy for r in results]),

@@ -27,7 +27,7 @@ from training_core.api import MetricsSink, SamplingParams, TrainEngine, WeightRe
 from training_core.checkpoint import checkpoint_dir, latest_checkpoint
 from training_core.checkpoint_store import CheckpointStore
 from training_core.config import RunSpec, dump_spec
-from training_core.data.datasets import PromptLoader, load_data
+from training_core.data.datasets import PromptLoader, TrainedQuestions, load_data
 from training_core.launch import new_server_key, start_fleet
 from training_core.metrics import JsonlSink, MultiSink, truncate_metrics
 from training_core.models.loading import load_tokenizer
@@ -80,6 +80,7 @@ class Run:
     executor: RolloutExecutor | None = None
     eval_rows: list[dict[str, Any]] | None = None
     eval_overlap: dict[str, float] | None = None  # per eval set: its questions in the train pool
+    trained: TrainedQuestions | None = None  # the questions training batches held (this process)
     threads: ThreadShare | None = None
     profile: RolloutProfile | None = None
     # Control calls (pause, weight load, resume) get their own event loop in the trainer's
@@ -180,6 +181,7 @@ def build_run(spec: RunSpec, *, resume_dir: str | Path | None = None,
                                    max_token_staleness=spec.rollout.token_staleness_bound)
     run.eval_rows = data.eval[: spec.eval.size]
     run.eval_overlap = data.overlap
+    run.trained = TrainedQuestions(data.train, spec.seed)
     run.threads = ThreadShare(spec, run.fleet, run.executor, world)
     run.profile = RolloutProfile(run.client)
     return run

@@ -117,6 +117,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
             metrics = batch_metrics(batch.groups, policy.current, algo)
             batch_log.write(json.dumps({"step": step, "version": policy.current,
                                         "prompts": [g.prompt_index for g in batch.groups]}) + "\n")
+            run.trained.add([g.prompt_index for g in batch.groups])  # eval/<set>/seen_in_trained_batch
             for failure in batch.episode_failures[:MAX_FAILURE_EVENTS]:
                 sink.event("episode_failed", failure.message, step=step,
                            prompt_index=failure.prompt_index)
@@ -322,7 +323,8 @@ def run_eval(run: Run, step: int) -> dict[str, float]:
         run.client, run.ctx, {metric_names.DEFAULT_EVAL_SET: rows},
         max_new_tokens=run.spec.rollout.max_new_tokens,
         version=run.policy.current, samples=run.spec.eval.samples, k=run.spec.eval.k,
-        overlap=run.eval_overlap, errors=errors))
+        overlap=run.eval_overlap, errors=errors,
+        seen={metric_names.DEFAULT_EVAL_SET: run.trained.fraction(rows)}))
     if errors:
         run.sink.event("eval_errors", f"{len(errors)} eval completions on {len(rows)} rows failed "
                        "(scored 0); "

@@ -188,6 +188,7 @@ def test_a_generator_run_above_10007_rows_reports_overlap_0_and_evaluates_its_fi
     assert [evals[s][H["version"]] for s in (0, 2, 3)] == [0, 2, 3]
     for row in evals.values():
         assert row[H["overlap_train_pool"]] == 0.0 and row[H["questions"]] == 6
+        assert row[H["seen_in_trained_batch"]] == 0.0  # none of them came up in a batch
         assert 0 <= row[H["pass@k"]] <= 1 and row[H["n"]] == 2
     written = {k for r in rows for k in r} - metric_names.LINE_FIELDS
     assert written <= metric_names.DECLARED, sorted(written - metric_names.DECLARED)

@@ -325,3 +325,23 @@ class PromptLoader:
             index = self.position
             self.position += 1
         return index, self.row(index)
+
+
+class TrainedQuestions:
+    """The questions of the prompts training batches held so far (by stream index), to measure
+    how many eval questions a run really trained on: 0 when eval sets are held out, the
+    in-sample share when ``data.allow_eval_overlap`` kept them. It maps indices with its own
+    :class:`PromptLoader` over the same rows and seed: the executor's caches an epoch's order
+    and is read from the rollout thread."""
+
+    def __init__(self, rows: list[dict[str, Any]], seed: int):
+        self._loader = PromptLoader(rows, seed)
+        self.keys: set[str] = set()
+
+    def add(self, indices: list[int]) -> None:
+        self.keys.update(question_key(self._loader.row(i)["question"]) for i in indices if i >= 0)
+
+    def fraction(self, eval_rows: list[dict[str, Any]]) -> float:
+        """The fraction of the eval set's distinct questions some training batch held."""
+        asked = {question_key(r["question"]) for r in eval_rows}
+        return len(asked & self.keys) / len(asked) if asked else 0.0

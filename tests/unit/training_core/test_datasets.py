@@ -174,3 +174,24 @@ def test_the_warm_start_never_sees_the_rl_runs_eval_questions(tmp_path):
         asked = {question_key(r["question"]) for r in load_data(spec, seed=4).eval}
         rows = warm_start_rows(spec, seed=4)
         assert asked and rows and not asked & {question_key(r["question"]) for r in rows}
+
+
+def test_trained_questions_measure_what_training_batches_held():
+    from training_core.data.datasets import TrainedQuestions
+
+    # In-sample on purpose: the eval questions stay in the pool, so batches come to hold them.
+    data = load_data(DataSpec(options={"max_value": 9}, size=2_000, eval_size=10,
+                              allow_eval_overlap=True), seed=0)
+    seen = TrainedQuestions(data.train, seed=0)
+    assert seen.fraction(data.eval) == 0.0
+    seen.add(list(range(2_000)) + [-1])  # an epoch of the pool; -1: a group without a prompt
+    assert seen.fraction(data.eval) == 1.0
+    # The stream index maps to the row the run's own loader hands out.
+    loader = PromptLoader(data.train, seed=0)
+    one = TrainedQuestions(data.train, seed=0)
+    one.add([5])
+    assert one.fraction([loader.row(5)]) == 1.0
+    held = load_data(DataSpec(options={"max_value": 9}, size=2_000, eval_size=10), seed=0)
+    everything = TrainedQuestions(held.train, seed=0)
+    everything.add(list(range(4_000)))
+    assert everything.fraction(held.eval) == 0.0
