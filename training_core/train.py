@@ -95,6 +95,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
             if refusals.rewards_refused(batch.groups, step, run.world):  # [issue 47] no NaN
                 continue  # in (raises when it repeats): see training_core/update_guard.py
             metrics = report.batch_taken(step, policy.current, batch, algo)
+            side.trained.add([g.prompt_index for g in batch.groups])  # .../seen_in_trained_batch
 
             # 2. Tensors and advantages (group-normalised outcome rewards, per preset).
             with timers("prepare"):
@@ -286,10 +287,12 @@ class Evaluations:
             self.side.client, self.side.ctx, {metric_names.DEFAULT_EVAL_SET: rows},
             max_new_tokens=self.spec.rollout.max_new_tokens,
             version=self.run.policy.current, samples=self.spec.eval.samples, k=self.spec.eval.k,
-            overlap=self.side.eval_overlap, errors=errors), beside_episodes=True)
+            overlap=self.side.eval_overlap, errors=errors,
+            seen={metric_names.DEFAULT_EVAL_SET: self.side.trained.fraction(rows)}),
+            beside_episodes=True)
         if errors:
-            self.side.sink.event("eval_errors", f"{len(errors)} of {len(rows)} eval rows failed "
-                                 f"(scored 0); first: {errors[0][:2000]}", step=step)
+            self.side.sink.event("eval_errors", f"{len(errors)} eval completions on {len(rows)} "
+                                 f"rows failed (scored 0); first: {errors[0][:2000]}", step=step)
         self.version = self.run.policy.current
         if step == 0:  # before the first step: the run's starting point
             self.first = out
