@@ -26,6 +26,9 @@ from pydantic import (
     model_validator,
 )
 
+from training_core.dtypes import DEFAULT_DTYPE, DtypeName
+from training_core.proximal import ProximalSetting, resolve_mode
+
 
 class SpecError(ValueError):
     """A run spec is invalid. ``errors`` maps dotted keys to human-readable reasons."""
@@ -48,8 +51,8 @@ class ModelSpec(_Section):
     hidden_size: int = Field(128, gt=0, description="tiny model only")
     num_layers: int = Field(4, gt=0, description="tiny model only")
     num_heads: int = Field(4, gt=0, description="tiny model only")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="weights and compute dtype of the trainer and the servers")
+    dtype: DtypeName = Field(
+        DEFAULT_DTYPE, description="weights and compute dtype of the trainer and the servers")
     # Needed for models that start from random weights: RL from scratch gets no reward signal.
     warm_start_seconds: float = Field(0.0, ge=0, description=(
         "supervised warm start on the task's rows before RL (`oolong sft`), at most this many "
@@ -360,7 +363,7 @@ class TrainerSpec(_Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="the trainer's collective backend; auto: nccl on GPUs, else gloo")
-    recompute_proximal: Literal["auto", "stale", "always", "never"] = Field(
+    recompute_proximal: ProximalSetting = Field(
         "auto", description="proximal logprobs (the policy before the update). With one PPO "
         "minibatch the update's own forward gives them exactly, no extra pass, unless 'never'. "
         "With more, which samples get a separate trainer forward: 'stale' those with a token "
@@ -534,13 +537,9 @@ class RunSpec(_Section):
 
     @property
     def recompute_proximal_mode(self) -> str:
-        """``trainer.recompute_proximal`` with auto resolved: the behaviour logprobs stand in
-        for the proximal ones only where they are exact (the embedded fp32 engine)."""
-        mode = self.trainer.recompute_proximal
-        if mode != "auto":
-            return mode
-        exact = self.rollout.backend == "embedded" and self.model.dtype == "float32"
-        return "stale" if exact else "always"
+        """``trainer.recompute_proximal`` with auto resolved (the rule: proximal.py)."""
+        return resolve_mode(self.trainer.recompute_proximal, backend=self.rollout.backend,
+                            dtype=self.model.dtype)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunSpec:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from training_core import gpu_memory
 from training_core.config import RunSpec
+from training_core.dtypes import precision, sglang_dtype
 from training_core.ports import free_port
 from training_core.processes import Fleet, ManagedProcess, process_env
 from training_core.transport.server_auth import SERVER_KEY_ENV
@@ -36,7 +37,7 @@ def embedded_server_command(model_path: str, port: int, *, dtype: str, host: str
     cmd = [sys.executable, "-m", "training_core.rollout_server.server", "--model-path",
            str(model_path), "--host", host, "--port", str(port), "--threads", str(threads),
            "--max-batch-size", str(max_batch_size), "--seed", str(seed),
-           "--weight-version", str(weight_version), "--dtype", dtype]
+           "--weight-version", str(weight_version), "--dtype", precision(dtype).name]
     if weights_root is not None:
         cmd += ["--weights-root", str(weights_root)]
     return cmd + (["--parent-pid", str(parent_pid)] if parent_pid else [])
@@ -63,7 +64,7 @@ def sglang_server_command(model_path: str, port: int, *, dtype: str, host: str =
     - it starts at a known ``weight_version`` (the trainer checks it through ``/model_info``), and
       binds loopback unless it is placed on a node (then the node's address)."""
     cmd = [sglang_python(), "-m", "sglang.launch_server", "--model-path", str(model_path),
-           "--host", host, "--port", str(port), "--tp-size", str(tp), "--dtype", dtype,
+           "--host", host, "--port", str(port), "--tp-size", str(tp), "--dtype", sglang_dtype(dtype),
            "--skip-tokenizer-init", "--weight-version", str(weight_version)]
     if mem_fraction is not None:
         cmd += ["--mem-fraction-static", str(mem_fraction)]

@@ -23,10 +23,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclass(frozen=True)
@@ -89,22 +85,3 @@ class StalenessManager:
         with self._lock:
             return StalenessStats(self._submitted, self._accepted, self._rejected, self._running)
 
-
-def rows_needing_proximal(versions: torch.Tensor, loss_mask: torch.Tensor, version: int,
-                          mode: str) -> list[int]:
-    """The rows of a batch whose proximal logprobs need a trainer forward.
-
-    The proximal policy of the decoupled objective is the trainer's policy right before the
-    update, version ``version``. A row whose every generated token came from that same version
-    was sampled from the proximal policy itself: its behaviour logprobs *are* its proximal
-    logprobs, up to the float difference between the server's and the trainer's forward: ~1e-6
-    for the embedded engine in fp32, far more for a bf16 or SGLang server, which is why
-    ``trainer.recompute_proximal: auto`` resolves to ``'stale'`` only for the former
-    (``RunSpec.recompute_proximal_mode``). Only rows with a token from an older version need the
-    forward (``mode='stale'``); ``'always'`` recomputes every row, ``'never'`` none."""
-    if mode == "never":
-        return []
-    if mode == "always":
-        return list(range(versions.shape[0]))
-    stale = ((versions < version) & loss_mask.bool()).any(dim=1)
-    return stale.nonzero().flatten().tolist()

@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from training_core.dtypes import DEFAULT_DTYPE, PRECISIONS
 from training_core.rollout_server import streaming
 from training_core.rollout_server.engine_process import EngineProcess
 from training_core.rollout_server.requests import (
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--weight-version", default="0")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    parser.add_argument("--dtype", default=DEFAULT_DTYPE, choices=list(PRECISIONS),
                         help="weights, activations and KV cache (SGLang's --dtype); the run's "
                              "model.dtype")
     parser.add_argument("--weights-root", default=None,
