@@ -175,10 +175,14 @@ def single_machine_gpus(spec: RunSpec, gpus: int) -> tuple[tuple[int, ...], list
 def server_env(spec: RunSpec, run_dir: Path, run_id: int | None = None,
                gpus: tuple[int, ...] | list[int] | None = None,
                server_key: str | None = None) -> dict[str, str]:
-    """A rollout server's environment: ``run_env``, and for SGLang its environment's ``bin/``
-    first on ``PATH`` (flashinfer compiles kernels at first use with the ninja and nvcc found
-    there)."""
+    """A rollout server's environment: ``run_env``; for an embedded server OpenMP's threads are
+    its torch threads (``rollout.server_threads``); for SGLang its environment's ``bin/`` first
+    on ``PATH`` (flashinfer compiles kernels at first use with the ninja and nvcc found there).
+    With :func:`server_command`, the one mapping from a spec to a server process, whoever starts
+    it (``start_fleet``, the flows)."""
     env = run_env(run_dir, run_id, gpus, server_key=server_key)
+    if spec.rollout.backend == "embedded":
+        env["OMP_NUM_THREADS"] = str(spec.rollout.server_threads)
     if spec.rollout.backend == "sglang":
         bin_dir = str(Path(sglang_python()).parent)
         env["PATH"] = os.pathsep.join(p for p in [bin_dir, env.get("PATH", "")] if p)
@@ -301,8 +305,6 @@ def start_fleet(spec: RunSpec, model_dir: str | Path, run_dir: Path, *, seed: in
             cmd = server_command(spec, str(model_dir), port, i, parent_pid=os.getpid(),
                                  run_dir=run_dir, server_key=server_key, mem_fraction=fraction)
             env = server_env(spec, run_dir, gpus=owned, server_key=server_key)
-            if spec.rollout.backend == "embedded":
-                env["OMP_NUM_THREADS"] = str(spec.rollout.server_threads)
             fleet.urls.append(url)
             fleet.servers.append(server_process(
                 f"rollout server {i}", cmd, url, run_dir / "logs" / f"rollout-server-{i}.log",

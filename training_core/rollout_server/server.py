@@ -274,7 +274,9 @@ def _exit_with_parent(pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The server's flags; what a run passes is ``launch.embedded_server_command``'s (tests check
+    that every flag it writes parses here)."""
     parser = argparse.ArgumentParser(description="Oolong embedded rollout server (SGLang API)")
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
@@ -292,7 +294,11 @@ def main(argv: list[str] | None = None) -> None:
                              "run's weights/); default: any")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is gone (no orphans after a SIGKILL)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s server %(levelname)s %(message)s")
     # Before anything starts a thread or opens a socket: the engine process is forked from here.
