@@ -417,6 +417,13 @@ class MetricsSpec(_Section):
     report_status: bool = True
 
 
+# The runs' own VPCs, one /16 each: 10.<100 + run_id % 150>.0.0/16, computed by
+# infra/terraform/run/main.tf (HCL cannot import this; tests/infra/test_terraform.py checks
+# that the two agree). A control plane peered with the runs must lie outside all of them.
+RUN_VPC_OCTETS = range(100, 250)
+_RUN_VPCS = f"10.{RUN_VPC_OCTETS[0]}.0.0/16 to 10.{RUN_VPC_OCTETS[-1]}.0.0/16"
+
+
 class TerraformVarsSpec(_Section):
     """The variables a run passes to infra/terraform/run: typed, each checked, nothing free-form
     (they end up in cloud-init, which runs as root). ``run_id`` is the run's own, never given."""
@@ -439,7 +446,7 @@ class TerraformVarsSpec(_Section):
         "the control plane's VPC: the run's VPC is peered with it, and the flow reaches the "
         "nodes at their private addresses; empty: no peering"))
     control_plane_vpc_cidr: str = Field("", validate_default=True, description=(
-        "the control plane VPC's range; outside 10.100.0.0-10.249.255.255 (the runs' own)"))
+        f"the control plane VPC's range; outside {_RUN_VPCS} (the runs' own)"))
     control_plane_route_table_ids: list[Annotated[str, Field(pattern=r"^rtb-[0-9a-f]{8,17}$")]] = \
         Field(default_factory=list, description="the control plane's route tables that get a "
                                                 "route to the run's VPC")
@@ -459,9 +466,9 @@ class TerraformVarsSpec(_Section):
         if info.data.get("control_plane_vpc_id") and not value:
             raise ValueError("set it with control_plane_vpc_id (the peering routes this range)")
         if value and any(_network(value).overlaps(ipaddress.ip_network(f"10.{b}.0.0/16"))
-                         for b in range(100, 250)):
-            raise ValueError(f"{value!r} overlaps the runs' own VPCs (10.100.0.0/16 to "
-                             "10.249.0.0/16): the peering could not route it")
+                         for b in RUN_VPC_OCTETS):
+            raise ValueError(f"{value!r} overlaps the runs' own VPCs ({_RUN_VPCS}): the peering "
+                             "could not route it")
         return value
 
 
