@@ -28,6 +28,7 @@ from pydantic import (
 
 from training_core.dtypes import DEFAULT_DTYPE, DtypeName
 from training_core.proximal import ProximalSetting, resolve_mode
+from training_core.staleness import token_bound
 
 
 class SpecError(ValueError):
@@ -245,7 +246,7 @@ class RolloutSpec(_Section):
 
     @property
     def token_staleness_bound(self) -> int:
-        return self.max_staleness if self.max_token_staleness is None else self.max_token_staleness
+        return token_bound(self.max_staleness, self.max_token_staleness)  # the rule: staleness.py
 
 
 class RewardSpec(_Section):

@@ -1,4 +1,6 @@
-"""Admission control: how many new episodes may start without breaking the staleness bound.
+"""The staleness bounds, both of them: admission control (how many new episodes may start) and
+the strict per-token bound applied when a batch is taken (the rollout executor calls
+:func:`too_stale` and :func:`last_chance`; the bound's default is :func:`token_bound`).
 
 Counters are in prompt groups. With B groups per batch, max staleness eta, at most M episodes
 in flight, ``accepted`` groups accepted since the start and ``running`` in flight, a new episode
@@ -14,8 +16,8 @@ before version v+1 exists, which is synchronous RL.
 
 What it does not bound: a straggler (a long generation) can finish after many groups that started
 later; they are consumed first, and the straggler can end up more than eta versions behind. The
-strict bound is applied at consume time instead (rollout.py, ``rollout.max_token_staleness``,
-equal to eta by default): a sample whose oldest token is too old leaves the loss. Admission
+strict bound is applied at consume time instead (:func:`too_stale`,
+``rollout.max_token_staleness``, equal to eta by default): a sample whose oldest token is too old leaves the loss. Admission
 control keeps the typical lag low; the consume-time check makes the bound hold always.
 """
 
@@ -85,3 +87,19 @@ class StalenessManager:
         with self._lock:
             return StalenessStats(self._submitted, self._accepted, self._rejected, self._running)
 
+
+def token_bound(max_staleness: int, max_token_staleness: int | None) -> int:
+    """``rollout.max_token_staleness``, the admission bound eta where unset."""
+    return max_staleness if max_token_staleness is None else max_token_staleness
+
+
+def too_stale(oldest_version: int, version: int, bound: int | None) -> bool:
+    """Whether a sample whose oldest output token came from ``oldest_version`` leaves the loss
+    of the batch trained at ``version`` (None: no per-token bound)."""
+    return bound is not None and oldest_version < version - bound
+
+
+def last_chance(started_version: int, version: int, bound: int | None) -> bool:
+    """Whether an episode started at ``started_version`` can only be trained on in the batch
+    taken at ``version``: in any later batch :func:`too_stale` would drop it."""
+    return bound is not None and started_version == version - bound
