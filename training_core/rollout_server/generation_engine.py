@@ -182,8 +182,11 @@ class GenerationEngine:
     def _load_model(self, load_model: Callable[..., torch.nn.Module], seed: int) -> None:
         self.model = load_model(self.model_path, self.dtype).to(self.device).eval()
         # On CPU: weights packed once for oneDNN, not on every call (packed_linear.py).
-        self._packed = can_pack(self.model, self.device) and pack_linears(self.model) > 0
-        if self.device.type == "cpu" and torch_dtype(self.dtype) == torch.bfloat16 and not self._packed:
+        # (the CPU accelerator's switch, cpu_kernels.enabled: off, torch's reference path)
+        self._packed = (cpu_kernels.enabled() and can_pack(self.model, self.device)
+                        and pack_linears(self.model) > 0)
+        if (self.device.type == "cpu" and torch_dtype(self.dtype) == torch.bfloat16
+                and not self._packed and cpu_kernels.enabled()):
             log.warning("model.dtype bfloat16 on a CPU whose oneDNN has no bf16 path (it needs "
                         "AVX512-BF16, AMX or AVX-NE-CONVERT): bf16 products are emulated, unpacked "
                         "and unfused, so float32 is likely the faster choice on this machine")
