@@ -15,7 +15,8 @@ import shutil
 import uuid
 from pathlib import Path
 
-from training_core.models.smollm2 import cache_root, ensure_smollm2
+from training_core.cache import cache_root
+from training_core.models.smollm2 import ensure_smollm2
 
 # The models Oolong builds itself, by the name ``model.path`` gives them: the only ones a project
 # member may train (webapp/runs/policy.py reads this list; administrators may name a folder).

@@ -61,6 +61,8 @@ from typing import Any
 
 import torch
 
+from training_core.cache import cache_root
+
 log = logging.getLogger("oolong.server")
 
 CPU_KERNELS_ENV = "OOLONG_CPU_KERNELS"  # "0": torch's kernels only (to compare, or rule them out)
@@ -121,8 +123,6 @@ def _compiler() -> str:
 
 def build_dir() -> Path:
     """The build's folder: its key covers the sources, flags, compiler, torch and this CPU."""
-    from training_core.models.smollm2 import cache_root
-
     key = hashlib.sha256()
     for src in SOURCES + HEADERS:
         key.update(src.read_bytes())
