@@ -119,3 +119,15 @@ def test_each_projection_kernel_this_machine_has_decodes_as_torch_does(isa, dtyp
         (torch_bf16.argmax(-1) == greedy).float().mean() - 0.1
     assert all(isinstance(m, PackedLinear) for m in lm.model.layers[0].mlp.modules()
                if isinstance(m, torch.nn.Linear))
+
+
+def test_the_key_block_is_one_number_on_both_sides_of_the_language_boundary():
+    """slot_cache stores keys in blocks the C++ attention reads: the two constants must agree
+    (C++ cannot import Python, so the source is read)."""
+    import re
+    from pathlib import Path
+
+    from training_core.rollout_server.slot_cache import KEY_BLOCK
+
+    source = (Path(cpu_kernels.__file__).parent / "kernels" / "decode_step.cpp").read_text()
+    assert re.findall(r"constexpr int64_t BLOCK = (\d+);", source) == [str(KEY_BLOCK)]
