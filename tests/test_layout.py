@@ -58,3 +58,20 @@ def test_ruff_reads_every_tracked_python_file():
     read = {str(Path(p).resolve().relative_to(ROOT)) for p in shown if p.endswith(".py")}
     skipped = sorted(set(tracked) - read)
     assert not skipped, f"ruff skips tracked files: {skipped}"
+
+
+def test_docs_layout_names_every_engine_module_and_only_paths_that_exist():
+    """docs/layout.md is where a newcomer looks a module up: every module and folder of
+    training_core is in its map, and every path it names exists."""
+    import re
+
+    text = (ROOT / "docs" / "layout.md").read_text()
+    folder_map = text[text.index("```"):text.index("```", text.index("```") + 3)]
+    engine = ROOT / "training_core"
+    names = [p.name for p in engine.glob("*.py") if p.name != "__init__.py"] + \
+        [p.name + "/" for p in engine.iterdir() if (p / "__init__.py").is_file()]
+    missing = [n for n in names if not re.search(rf"(?<![\w/]){re.escape(n)}", folder_map)]
+    assert missing == [], f"docs/layout.md's map lacks {missing}"
+    named = re.findall(r"`((?:training_core|webapp|tests|infra|platform|benchmarks)/[\w./-]+)`",
+                       text)
+    assert named and [p for p in named if not (ROOT / p).exists()] == []

@@ -4,6 +4,7 @@
     oolong train --resume runs/demo-20261122-101500
     oolong sft --config run.yaml --out runs/demo/initial_model --seconds 30
     oolong serve --model-path DIR --port 30000      # the embedded rollout server
+    oolong eval runs/demo-20261122-101500 --version 100 --samples 8   # a stored version
     oolong export runs/demo --version best --out models/demo-best   # a Hugging Face folder
     oolong runs create|list|watch|cancel|compare    # a remote Oolong server (REST API)
     oolong sweeps create|list|show|compare         # runs that differ in one or two fields
@@ -135,8 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "oolong serve --help-server", add_help=False)
     v.add_argument("server_args", nargs=argparse.REMAINDER)
     v.set_defaults(fn=cmd_serve)
+    from training_core.eval_cli import add_eval_parser
     from training_core.models_cli import add_models_parser
     from training_core.runs_cli import add_runs_parser, add_sweeps_parser
+
+    add_eval_parser(sub)
 
     add_runs_parser(sub)
     add_sweeps_parser(sub)

@@ -26,6 +26,10 @@ from pydantic import (
     model_validator,
 )
 
+from training_core.dtypes import DEFAULT_DTYPE, DtypeName
+from training_core.proximal import ProximalSetting, resolve_mode
+from training_core.staleness import token_bound
+
 
 class SpecError(ValueError):
     """A run spec is invalid. ``errors`` maps dotted keys to human-readable reasons."""
@@ -48,8 +52,8 @@ class ModelSpec(_Section):
     hidden_size: int = Field(128, gt=0, description="tiny model only")
     num_layers: int = Field(4, gt=0, description="tiny model only")
     num_heads: int = Field(4, gt=0, description="tiny model only")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="weights and compute dtype of the trainer and the servers")
+    dtype: DtypeName = Field(
+        DEFAULT_DTYPE, description="weights and compute dtype of the trainer and the servers")
     # Needed for models that start from random weights: RL from scratch gets no reward signal.
     warm_start_seconds: float = Field(0.0, ge=0, description=(
         "supervised warm start on the task's rows before RL (`oolong sft`), at most this many "
@@ -246,7 +250,7 @@ class RolloutSpec(_Section):
 
     @property
     def token_staleness_bound(self) -> int:
-        return self.max_staleness if self.max_token_staleness is None else self.max_token_staleness
+        return token_bound(self.max_staleness, self.max_token_staleness)  # the rule: staleness.py
 
 
 class RewardSpec(_Section):
@@ -367,7 +371,7 @@ class TrainerSpec(_Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="the trainer's collective backend; auto: nccl on GPUs, else gloo")
-    recompute_proximal: Literal["auto", "stale", "always", "never"] = Field(
+    recompute_proximal: ProximalSetting = Field(
         "auto", description="proximal logprobs (the policy before the update). With one PPO "
         "minibatch the update's own forward gives them exactly, no extra pass, unless 'never'. "
         "With more, which samples get a separate trainer forward: 'stale' those with a token "
@@ -436,6 +440,13 @@ class MetricsSpec(_Section):
     report_status: bool = True
 
 
+# The runs' own VPCs, one /16 each: 10.<100 + run_id % 150>.0.0/16, computed by
+# infra/terraform/run/main.tf (HCL cannot import this; tests/infra/test_terraform.py checks
+# that the two agree). A control plane peered with the runs must lie outside all of them.
+RUN_VPC_OCTETS = range(100, 250)
+_RUN_VPCS = f"10.{RUN_VPC_OCTETS[0]}.0.0/16 to 10.{RUN_VPC_OCTETS[-1]}.0.0/16"
+
+
 class TerraformVarsSpec(_Section):
     """The variables a run passes to infra/terraform/run: typed, each checked, nothing free-form
     (they end up in cloud-init, which runs as root). ``run_id`` is the run's own, never given."""
@@ -458,7 +469,7 @@ class TerraformVarsSpec(_Section):
         "the control plane's VPC: the run's VPC is peered with it, and the flow reaches the "
         "nodes at their private addresses; empty: no peering"))
     control_plane_vpc_cidr: str = Field("", validate_default=True, description=(
-        "the control plane VPC's range; outside 10.100.0.0-10.249.255.255 (the runs' own)"))
+        f"the control plane VPC's range; outside {_RUN_VPCS} (the runs' own)"))
     control_plane_route_table_ids: list[Annotated[str, Field(pattern=r"^rtb-[0-9a-f]{8,17}$")]] = \
         Field(default_factory=list, description="the control plane's route tables that get a "
                                                 "route to the run's VPC")
@@ -478,9 +489,9 @@ class TerraformVarsSpec(_Section):
         if info.data.get("control_plane_vpc_id") and not value:
             raise ValueError("set it with control_plane_vpc_id (the peering routes this range)")
         if value and any(_network(value).overlaps(ipaddress.ip_network(f"10.{b}.0.0/16"))
-                         for b in range(100, 250)):
-            raise ValueError(f"{value!r} overlaps the runs' own VPCs (10.100.0.0/16 to "
-                             "10.249.0.0/16): the peering could not route it")
+                         for b in RUN_VPC_OCTETS):
+            raise ValueError(f"{value!r} overlaps the runs' own VPCs ({_RUN_VPCS}): the peering "
+                             "could not route it")
         return value
 
 
@@ -556,13 +567,9 @@ class RunSpec(_Section):
 
     @property
     def recompute_proximal_mode(self) -> str:
-        """``trainer.recompute_proximal`` with auto resolved: the behaviour logprobs stand in
-        for the proximal ones only where they are exact (the embedded fp32 engine)."""
-        mode = self.trainer.recompute_proximal
-        if mode != "auto":
-            return mode
-        exact = self.rollout.backend == "embedded" and self.model.dtype == "float32"
-        return "stale" if exact else "always"
+        """``trainer.recompute_proximal`` with auto resolved (the rule: proximal.py)."""
+        return resolve_mode(self.trainer.recompute_proximal, backend=self.rollout.backend,
+                            dtype=self.model.dtype)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunSpec:

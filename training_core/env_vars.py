@@ -22,7 +22,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "OOLONG_CHECKPOINT_STORE": ("trainer", "durable checkpoint store (fsspec URL or folder)"),
     "OOLONG_GATEWAY_KEY": ("trainer", "the online gateway's run key, when the platform hands one in"),
     "OOLONG_FUSED_DECODE": ("rollout server", "0: decode through transformers' forward (kill switch)"),
-    "OOLONG_CPU_KERNELS": ("rollout server", "0: the pure-torch path, without the optional C++ kernels"),
+    "OOLONG_CPU_KERNELS": ("rollout server", "0: the pure-torch reference path: no C++ kernels, "
+                           "no prepacked weights, no fused decode step (the one switch)"),
     "OOLONG_AMX": ("rollout server", "0: not the AMX projection kernel (tests force paths with it)"),
     "OOLONG_AVX512_LINEAR": ("rollout server", "0/1: never / always the AVX-512 projection kernel"),
     "OOLONG_AVX2_LINEAR": ("rollout server", "0/1: never / always the AVX2 projection kernel"),

@@ -2,7 +2,8 @@
 
 Two ways to generate, one way to prompt and to score: prompts are rendered like training's
 (``render_prompt``: the template and the chat template), completions are scored by the run's
-reward with its answer extraction, and both report :func:`eval_metrics`.
+reward with its answer extraction, and both report :func:`eval_metrics` and
+:func:`training_core.eval_stats.set_statistics`.
 
 - :func:`evaluate_sets` generates through the rollout servers, beside training (train.py): per
   eval set, a greedy completion and ``eval.samples`` sampled ones per question, reported as
@@ -11,7 +12,8 @@ reward with its answer extraction, and both report :func:`eval_metrics`.
   :func:`evaluate` is its greedy part alone.
 - ``offline_eval.evaluate_weights`` loads a run's pushed weights into an embedded engine in this
   process and generates every row at once: the offline evaluation job (a Celery worker runs it
-  for the web app).
+  for the web app). ``offline_eval.evaluate_version`` does the same with every statistic of
+  :func:`evaluate_sets`: ``oolong eval`` (eval_cli.py).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ async def _score_rows(client: InferenceEngine, ctx: WorkflowContext, rows: list[
     its message goes to ``failed``. Agent workflows (``ctx.evaluate_episode``) evaluate their own
     greedy episode and draw no samples."""
     greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
-    sampled = replace(ctx.sampling, max_new_tokens=max_new_tokens, greedy=False)
+    sampled = replace(ctx.sampling, max_new_tokens=max_new_tokens, greedy=False) \
+        if samples else greedy
 
     async def one(item: dict[str, Any], params: SamplingParams) -> tuple[float, str | None]:
         try:
@@ -108,11 +111,14 @@ async def evaluate_sets(client: InferenceEngine, ctx: WorkflowContext,
                         sets: dict[str, list[dict[str, Any]]], *, max_new_tokens: int,
                         version: int, samples: int = 0, k: int | None = None,
                         overlap: dict[str, float] | None = None,
+                        seen: dict[str, float] | None = None,
                         errors: list[str] | None = None) -> dict[str, float]:
     """Every eval set at one weight version: ``eval/<set>/...`` (greedy accuracy; with
     ``samples`` > 0 also avg@k, pass@k and maj@k; each with its 95% interval; the version; the
-    measured ``overlap_train_pool`` when ``overlap`` gives it). The first set also reports the
-    older ``eval/accuracy``, ``eval/reward`` and ``eval/errors`` (charts and the CLI read them).
+    measured ``overlap_train_pool`` when ``overlap`` gives it, and ``seen_in_trained_batch``,
+    the fraction of its questions some training batch held so far, when ``seen`` does). The
+    first set also reports the older ``eval/accuracy``, ``eval/reward`` and ``eval/errors``
+    (charts and the CLI read them).
     Failures score 0 and are counted, as in :func:`evaluate`."""
     out: dict[str, float] = {}
     for i, (name, rows) in enumerate(sets.items()):
@@ -129,6 +135,8 @@ async def evaluate_sets(client: InferenceEngine, ctx: WorkflowContext,
         stats.update({"version": float(version), "errors": float(len(failed))})
         if overlap is not None and name in overlap:
             stats["overlap_train_pool"] = overlap[name]
+        if seen is not None and name in seen:
+            stats["seen_in_trained_batch"] = seen[name]
         out.update({eval_set_metric(name, key): value for key, value in stats.items()})
         if i == 0:
             out.update({**eval_metrics([r.greedy for r in results]),

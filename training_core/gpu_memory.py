@@ -26,6 +26,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from training_core.dtypes import PRECISIONS, precision
+
 GIB = 1 << 30
 RESERVE_BYTES = 2 * GIB  # CUDA context, NCCL buffers, allocator slack: per process on the GPU
 MAX_SHARED_FRACTION = 0.85  # what a sharing server may take at most, whatever the trainer needs
@@ -72,10 +74,9 @@ def model_size(model_dir: str | Path) -> ModelSize:
 
 def trainer_state_bytes(params: int, *, dtype: str, zero_stage: int, ranks: int) -> int:
     """Weights, gradients and optimizer states of one trainer rank."""
-    if dtype == "float16":
-        weights, grads, optim = 2, 2, 4 + 8
-    else:  # float32, or bfloat16 under autocast with fp32 masters
-        weights, grads, optim = 4, 4, 8
+    held = PRECISIONS[precision(dtype).trainer_weights].width  # bf16: fp32 masters
+    # Adam's two moments in fp32, and fp32 master weights beside half-width ones (fp16 mode)
+    weights, grads, optim = held, held, 8 + (4 if held < 4 else 0)
     shard = max(ranks, 1)
     per_param = (weights / (shard if zero_stage >= 3 else 1) + grads / (shard if zero_stage >= 2 else 1)
                  + optim / (shard if zero_stage >= 1 else 1))
@@ -84,7 +85,7 @@ def trainer_state_bytes(params: int, *, dtype: str, zero_stage: int, ranks: int)
 
 def activation_bytes(size: ModelSize, *, tokens: int, dtype: str, checkpointing: bool) -> int:
     """One micro-batch's activations and its logits chunk."""
-    width = 4 if dtype == "float32" else 2
+    width = precision(dtype).width
     per_layer = 34 * tokens * size.hidden * width / 2  # 34 bytes per token per unit at 2 bytes
     if checkpointing:
         saved = 2 * tokens * size.hidden * width / 2 * size.layers
@@ -104,7 +105,7 @@ def trainer_need_bytes(size: ModelSize, *, dtype: str, zero_stage: int, ranks: i
 
 
 def server_weight_bytes(size: ModelSize, *, dtype: str) -> int:
-    return size.params * (4 if dtype == "float32" else 2)
+    return size.params * precision(dtype).width
 
 
 def shared_fraction(*, gpu_bytes: int, trainer_bytes: int, server_bytes: int,

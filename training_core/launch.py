@@ -17,14 +17,12 @@ from pathlib import Path
 
 from training_core import gpu_memory
 from training_core.config import RunSpec
+from training_core.dtypes import precision, sglang_dtype
 from training_core.ports import free_port
 from training_core.processes import Fleet, ManagedProcess, process_env
 from training_core.transport.server_auth import SERVER_KEY_ENV
 
 SGLANG_PYTHON_ENV = "OOLONG_SGLANG_PYTHON"  # the interpreter of SGLang's own environment
-# A node announces the address other nodes reach it at (set by the node's worker); otherwise the
-# address this machine uses to reach the first server (weight_sync.node_address).
-NODE_ADDRESS_ENV = "OOLONG_NODE_ADDRESS"
 
 
 def embedded_server_command(model_path: str, port: int, *, dtype: str, host: str = "127.0.0.1",
@@ -36,7 +34,7 @@ def embedded_server_command(model_path: str, port: int, *, dtype: str, host: str
     cmd = [sys.executable, "-m", "training_core.rollout_server.server", "--model-path",
            str(model_path), "--host", host, "--port", str(port), "--threads", str(threads),
            "--max-batch-size", str(max_batch_size), "--seed", str(seed),
-           "--weight-version", str(weight_version), "--dtype", dtype]
+           "--weight-version", str(weight_version), "--dtype", precision(dtype).name]
     if weights_root is not None:
         cmd += ["--weights-root", str(weights_root)]
     return cmd + (["--parent-pid", str(parent_pid)] if parent_pid else [])
@@ -63,7 +61,7 @@ def sglang_server_command(model_path: str, port: int, *, dtype: str, host: str =
     - it starts at a known ``weight_version`` (the trainer checks it through ``/model_info``), and
       binds loopback unless it is placed on a node (then the node's address)."""
     cmd = [sglang_python(), "-m", "sglang.launch_server", "--model-path", str(model_path),
-           "--host", host, "--port", str(port), "--tp-size", str(tp), "--dtype", dtype,
+           "--host", host, "--port", str(port), "--tp-size", str(tp), "--dtype", sglang_dtype(dtype),
            "--skip-tokenizer-init", "--weight-version", str(weight_version)]
     if mem_fraction is not None:
         cmd += ["--mem-fraction-static", str(mem_fraction)]
@@ -174,10 +172,14 @@ def single_machine_gpus(spec: RunSpec, gpus: int) -> tuple[tuple[int, ...], list
 def server_env(spec: RunSpec, run_dir: Path, run_id: int | None = None,
                gpus: tuple[int, ...] | list[int] | None = None,
                server_key: str | None = None) -> dict[str, str]:
-    """A rollout server's environment: ``run_env``, and for SGLang its environment's ``bin/``
-    first on ``PATH`` (flashinfer compiles kernels at first use with the ninja and nvcc found
-    there)."""
+    """A rollout server's environment: ``run_env``; for an embedded server OpenMP's threads are
+    its torch threads (``rollout.server_threads``); for SGLang its environment's ``bin/`` first
+    on ``PATH`` (flashinfer compiles kernels at first use with the ninja and nvcc found there).
+    With :func:`server_command`, the one mapping from a spec to a server process, whoever starts
+    it (``start_fleet``, the flows)."""
     env = run_env(run_dir, run_id, gpus, server_key=server_key)
+    if spec.rollout.backend == "embedded":
+        env["OMP_NUM_THREADS"] = str(spec.rollout.server_threads)
     if spec.rollout.backend == "sglang":
         bin_dir = str(Path(sglang_python()).parent)
         env["PATH"] = os.pathsep.join(p for p in [bin_dir, env.get("PATH", "")] if p)
@@ -300,8 +302,6 @@ def start_fleet(spec: RunSpec, model_dir: str | Path, run_dir: Path, *, seed: in
             cmd = server_command(spec, str(model_dir), port, i, parent_pid=os.getpid(),
                                  run_dir=run_dir, server_key=server_key, mem_fraction=fraction)
             env = server_env(spec, run_dir, gpus=owned, server_key=server_key)
-            if spec.rollout.backend == "embedded":
-                env["OMP_NUM_THREADS"] = str(spec.rollout.server_threads)
             fleet.urls.append(url)
             fleet.servers.append(server_process(
                 f"rollout server {i}", cmd, url, run_dir / "logs" / f"rollout-server-{i}.log",

@@ -100,7 +100,7 @@ EVAL_ERRORS = _name("eval/errors")  # eval rows whose generation or scoring fail
 # held-out set is DEFAULT_EVAL_SET; each *_ci_lo / *_ci_hi pair is the metric's 95% interval.
 DEFAULT_EVAL_SET = "heldout"
 EVAL_SET_METRICS = (
-    "questions", "version", "errors", "overlap_train_pool",
+    "questions", "version", "errors", "overlap_train_pool", "seen_in_trained_batch",
     "greedy_accuracy", "greedy_accuracy_ci_lo", "greedy_accuracy_ci_hi",
     "avg@k", "avg@k_ci_lo", "avg@k_ci_hi", "pass@k", "pass@k_ci_lo", "pass@k_ci_hi",
     "maj@k", "maj@k_ci_lo", "maj@k_ci_hi", "k", "n")

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from training_core.config import RunSpec
-from training_core.evaluation import eval_metrics
+from training_core.eval_stats import set_statistics
+from training_core.evaluation import CORRECT, eval_metrics
+from training_core.metric_names import eval_set_metric
 from training_core.rewards.registry import resolve_reward
 from training_core.workflows.base import render_prompt
 
@@ -46,7 +48,8 @@ def evaluate_weights(spec: RunSpec, model_dir: Path, weights_dir: Path,
     return {**eval_metrics(scores, prefix), f"{prefix}/rows": float(len(scores))}
 
 
-async def _greedy(engine: Any, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
+async def _greedy(engine: Any, prompts: list[list[int]], max_new_tokens: int,
+                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1) -> list[dict]:
     from training_core.rollout_server.generation_engine import Seq
 
     loop = asyncio.get_running_loop()
@@ -54,7 +57,54 @@ async def _greedy(engine: Any, prompts: list[list[int]], max_new_tokens: int) ->
     for i, ids in enumerate(prompts):
         future = loop.create_future()
         engine.submit(Seq(rid=f"offline-eval-{i}", prompt=list(ids), max_new_tokens=max_new_tokens,
-                          temperature=0.0, top_p=1.0, top_k=-1, stop_ids=set(),
+                          temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=set(),
                           ignore_eos=False, future=future, loop=loop))
         futures.append(future)
     return list(await asyncio.gather(*futures))
+
+
+def evaluate_version(spec: RunSpec, model_dir: Path, weights_dir: Path | None,
+                     sets: dict[str, list[dict[str, Any]]], *, version: int, samples: int = 0,
+                     k: int | None = None, overlap: dict[str, float] | None = None
+                     ) -> dict[str, float]:
+    """Every statistic of :func:`training_core.evaluation.evaluate_sets` (``eval/<set>/...``)
+    for one stored weight version, generated in this process like :func:`evaluate_weights`:
+    per question one greedy completion and ``samples`` at the run's temperature, top_p and
+    top_k. ``weights_dir`` None: the run's starting model (version 0). Built-in rewards only."""
+    from training_core.rollout_server.generation_engine import GenerationEngine
+
+    if not spec.reward.fn.startswith("builtin:"):
+        raise ValueError("offline evaluation scores with built-in rewards only; user reward code "
+                         "runs in the sandbox")
+    reward = resolve_reward(spec.reward.fn, spec.reward.extract)
+    engine = GenerationEngine(str(model_dir), dtype=spec.model.dtype)
+    out: dict[str, float] = {}
+    try:
+        if weights_dir is not None:
+            loaded = engine.update_weights(str(weights_dir), None)
+            if not loaded["success"]:
+                raise ValueError(f"weights in {weights_dir}: {loaded['message']}")
+        r = spec.rollout
+        for name, rows in sets.items():
+            if not rows:
+                continue
+            prompts = [render_prompt(engine.tokenizer, row, spec.data.prompt_template,
+                                     spec.data.chat_template) for row in rows]
+            greedy = asyncio.run(_greedy(engine, prompts, r.max_new_tokens))
+            # Every sample of every question in one batch: question i's j-th is i * n + j.
+            drawn = asyncio.run(_greedy(engine, [p for p in prompts for _ in range(samples)],
+                                        r.max_new_tokens, r.temperature, r.top_p, r.top_k)
+                                ) if samples else []
+            right = [float(reward(o["text"], row)) >= CORRECT
+                     for o, row in zip(greedy, rows, strict=True)]
+            per_q = [[(float(reward(o["text"], row)) >= CORRECT, reward.extracted(o["text"]))
+                      for o in drawn[i * samples:(i + 1) * samples]] for i, row in enumerate(rows)]
+            stats = set_statistics(right, [[ok for ok, _ in q] for q in per_q] if samples else None,
+                                   [[a for _, a in q] for q in per_q], k)
+            stats.update({"version": float(version), "errors": 0.0})
+            if overlap is not None and name in overlap:
+                stats["overlap_train_pool"] = overlap[name]
+            out.update({eval_set_metric(name, key): value for key, value in stats.items()})
+    finally:
+        engine.shutdown()
+    return out

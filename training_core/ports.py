@@ -1,5 +1,6 @@
-"""Ports this node's processes listen on: rollout servers, the trainer's rendezvous, the weight
-update group. A leaf module: the launcher, the world and the transports all pick ports here."""
+"""Where this node's processes listen: the ports (rollout servers, the trainer's rendezvous, the
+weight update group) and the address it announces. A leaf module: the launcher, the world and
+the transports all take them here."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import socket
 # update group): "30000-30999". Cloud nodes set it (cloud-init) to the range their security group
 # opens; unset, any free port.
 PORT_RANGE_ENV = "OOLONG_PORT_RANGE"
+# A node announces the address other nodes reach it at (set by the node's worker); otherwise the
+# address this machine uses to reach the first server (transport.weight_sync.node_address).
+NODE_ADDRESS_ENV = "OOLONG_NODE_ADDRESS"
 
 
 def free_port() -> int:

@@ -45,7 +45,7 @@ from typing import Any
 from training_core.algorithms.advantages import is_degenerate_group
 from training_core.api import EpisodeError, InferenceEngine, TrajectoryGroup, Workflow
 from training_core.data.datasets import PromptLoader
-from training_core.staleness import StalenessManager
+from training_core.staleness import StalenessManager, last_chance, too_stale
 
 log = logging.getLogger(__name__)
 
@@ -219,22 +219,19 @@ class RolloutExecutor:
             rejected, self._rejected_since_batch = self._rejected_since_batch, 0
             failures, self._failures_since_batch = self._failures_since_batch, []
         dropped = 0
-        if self.max_token_staleness is not None:
-            oldest_allowed = version - self.max_token_staleness
-            for g in groups:
-                for s in g.samples:
-                    if s.num_output_tokens and s.oldest_version < oldest_allowed:
-                        s.dropped = True
-                        dropped += 1
+        for g in groups:
+            for s in g.samples:
+                if s.num_output_tokens and too_stale(s.oldest_version, version,
+                                                     self.max_token_staleness):
+                    s.dropped = True
+                    dropped += 1
         return Batch(groups, dropped, time.perf_counter() - start, depth, rejected, failures)
 
     def _due(self, version: int) -> bool:
         """Whether a running episode can only be trained on in this batch (a later one would
         drop it as too stale). Under the lock."""
-        if self.max_token_staleness is None:
-            return False
-        last_chance = version - self.max_token_staleness
-        return any(started == last_chance for started in self._running.values())
+        return any(last_chance(started, version, self.max_token_staleness)
+                   for started in self._running.values())
 
     def _stall_reason(self) -> str:
         done, rejected, failures = len(self._done), self._rejected_since_batch, self._failures_since_batch

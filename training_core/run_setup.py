@@ -27,7 +27,7 @@ from training_core.api import MetricsSink, SamplingParams, TrainEngine, WeightRe
 from training_core.checkpoint import checkpoint_dir, latest_checkpoint
 from training_core.checkpoint_store import CheckpointStore
 from training_core.config import RunSpec, dump_spec
-from training_core.data.datasets import PromptLoader, load_data
+from training_core.data.datasets import PromptLoader, TrainedQuestions, load_data
 from training_core.launch import new_server_key, start_fleet
 from training_core.metrics import JsonlSink, MultiSink, truncate_metrics
 from training_core.models.loading import load_tokenizer
@@ -72,6 +72,7 @@ class Rollout:
     executor: RolloutExecutor
     eval_rows: list[dict[str, Any]]
     eval_overlap: dict[str, float]  # per eval set: its questions in the train pool
+    trained: TrainedQuestions  # the questions training batches held (this process)
     threads: ThreadShare
     profile: RolloutProfile
     # Control calls (pause, weight load, resume) get their own event loop in the trainer's
@@ -218,7 +219,8 @@ def _build_rollout(run: Run, spec: RunSpec, tokenizer: Any, data: Any, sink: Met
     run.rollout = Rollout(
         tokenizer=tokenizer, sink=sink, client=client, staleness=staleness, rewards=rewards,
         ctx=ctx, executor=executor, eval_rows=data.eval[: spec.eval.size],
-        eval_overlap=data.overlap, threads=ThreadShare(spec, fleet, executor, run.world),
+        eval_overlap=data.overlap, trained=TrainedQuestions(data.train, spec.seed),
+        threads=ThreadShare(spec, fleet, executor, run.world),
         profile=RolloutProfile(client), control=control, fleet=fleet)
 
 

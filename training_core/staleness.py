@@ -1,4 +1,6 @@
-"""Admission control: how many new episodes may start without breaking the staleness bound.
+"""The staleness bounds, both of them: admission control (how many new episodes may start) and
+the strict per-token bound applied when a batch is taken (the rollout executor calls
+:func:`too_stale` and :func:`last_chance`; the bound's default is :func:`token_bound`).
 
 Counters are in prompt groups. With B groups per batch, max staleness eta, at most M episodes
 in flight, ``accepted`` groups accepted since the start and ``running`` in flight, a new episode
@@ -14,8 +16,8 @@ before version v+1 exists, which is synchronous RL.
 
 What it does not bound: a straggler (a long generation) can finish after many groups that started
 later; they are consumed first, and the straggler can end up more than eta versions behind. The
-strict bound is applied at consume time instead (rollout.py, ``rollout.max_token_staleness``,
-equal to eta by default): a sample whose oldest token is too old leaves the loss. Admission
+strict bound is applied at consume time instead (:func:`too_stale`,
+``rollout.max_token_staleness``, equal to eta by default): a sample whose oldest token is too old leaves the loss. Admission
 control keeps the typical lag low; the consume-time check makes the bound hold always.
 """
 
@@ -23,10 +25,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclass(frozen=True)
@@ -90,21 +88,18 @@ class StalenessManager:
             return StalenessStats(self._submitted, self._accepted, self._rejected, self._running)
 
 
-def rows_needing_proximal(versions: torch.Tensor, loss_mask: torch.Tensor, version: int,
-                          mode: str) -> list[int]:
-    """The rows of a batch whose proximal logprobs need a trainer forward.
+def token_bound(max_staleness: int, max_token_staleness: int | None) -> int:
+    """``rollout.max_token_staleness``, the admission bound eta where unset."""
+    return max_staleness if max_token_staleness is None else max_token_staleness
 
-    The proximal policy of the decoupled objective is the trainer's policy right before the
-    update, version ``version``. A row whose every generated token came from that same version
-    was sampled from the proximal policy itself: its behaviour logprobs *are* its proximal
-    logprobs, up to the float difference between the server's and the trainer's forward: ~1e-6
-    for the embedded engine in fp32, far more for a bf16 or SGLang server, which is why
-    ``trainer.recompute_proximal: auto`` resolves to ``'stale'`` only for the former
-    (``RunSpec.recompute_proximal_mode``). Only rows with a token from an older version need the
-    forward (``mode='stale'``); ``'always'`` recomputes every row, ``'never'`` none."""
-    if mode == "never":
-        return []
-    if mode == "always":
-        return list(range(versions.shape[0]))
-    stale = ((versions < version) & loss_mask.bool()).any(dim=1)
-    return stale.nonzero().flatten().tolist()
+
+def too_stale(oldest_version: int, version: int, bound: int | None) -> bool:
+    """Whether a sample whose oldest output token came from ``oldest_version`` leaves the loss
+    of the batch trained at ``version`` (None: no per-token bound)."""
+    return bound is not None and oldest_version < version - bound
+
+
+def last_chance(started_version: int, version: int, bound: int | None) -> bool:
+    """Whether an episode started at ``started_version`` can only be trained on in the batch
+    taken at ``version``: in any later batch :func:`too_stale` would drop it."""
+    return bound is not None and started_version == version - bound

@@ -41,8 +41,8 @@ from training_core.checkpoint import checkpoint_dir, prune_checkpoints
 from training_core.checkpoint_store import CheckpointStore
 from training_core.config import RunSpec
 from training_core.evaluation import evaluate_sets
+from training_core.proximal import proximal_rows
 from training_core.run_setup import Run, build_run
-from training_core.staleness import rows_needing_proximal
 from training_core.step_metrics import advantage_metrics
 from training_core.step_report import StepReport
 from training_core.thread_share import ThreadShare
@@ -95,6 +95,7 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
             if refusals.rewards_refused(batch.groups, step, run.world):  # [issue 47] no NaN
                 continue  # in (raises when it repeats): see training_core/update_guard.py
             metrics = report.batch_taken(step, policy.current, batch, algo)
+            side.trained.add([g.prompt_index for g in batch.groups])  # .../seen_in_trained_batch
 
             # 2. Tensors and advantages (group-normalised outcome rewards, per preset).
             with timers("prepare"):
@@ -211,21 +212,15 @@ def proximal_and_reference(trainer: TrainEngine, tb: TrainBatch, algo: Algorithm
     """Logprobs of the policy before this update (version ``version``) and of the reference
     policy for KL presets, and how many rows took a separate trainer forward for the first.
 
-    With one minibatch (one optimizer step per batch, the default) no separate pass is needed:
-    None tells the update to use its own forward, which runs before the step (exact). With more,
-    a row the current version generated has proximal = behaviour logprobs and the others are
-    recomputed (``staleness.rows_needing_proximal``), among ``compute_rows`` (the rows the update
-    computes; None: all). Under ZeRO-3 with several ranks a forward is a collective, so every
-    rank recomputes all of its rows (the same number of forwards)."""
+    Which rows take that forward is ``proximal.proximal_rows`` (the one rule; None: the update's
+    own forward gives them, exactly); the others keep their behaviour logprobs."""
     ref = trainer.logprobs(tb, trainer.reference) if trainer.reference is not None else None
-    mode = spec.recompute_proximal_mode if algo.decoupled else "never"
-    if mode != "never" and spec.trainer.ppo_minibatches == 1:
+    rows = proximal_rows(mode=spec.recompute_proximal_mode, decoupled=algo.decoupled,
+                         minibatches=spec.trainer.ppo_minibatches, versions=tb.versions,
+                         loss_mask=tb.loss_mask, version=version, compute_rows=compute_rows,
+                         collective_forward=trainer.zero_stage == 3 and rank_and_world()[1] > 1)
+    if rows is None:
         return None, ref, 0
-    if mode == "stale" and trainer.zero_stage == 3 and rank_and_world()[1] > 1:
-        mode = "always"
-    rows = rows_needing_proximal(tb.versions, tb.loss_mask, version, mode)
-    if compute_rows is not None and mode != "always":
-        rows = sorted(set(rows) & set(compute_rows))
     prox = tb.behav_logp.clone()
     if len(rows) == len(prox):
         prox = trainer.logprobs(tb)
@@ -286,10 +281,12 @@ class Evaluations:
             self.side.client, self.side.ctx, {metric_names.DEFAULT_EVAL_SET: rows},
             max_new_tokens=self.spec.rollout.max_new_tokens,
             version=self.run.policy.current, samples=self.spec.eval.samples, k=self.spec.eval.k,
-            overlap=self.side.eval_overlap, errors=errors), beside_episodes=True)
+            overlap=self.side.eval_overlap, errors=errors,
+            seen={metric_names.DEFAULT_EVAL_SET: self.side.trained.fraction(rows)}),
+            beside_episodes=True)
         if errors:
-            self.side.sink.event("eval_errors", f"{len(errors)} of {len(rows)} eval rows failed "
-                                 f"(scored 0); first: {errors[0][:2000]}", step=step)
+            self.side.sink.event("eval_errors", f"{len(errors)} eval completions on {len(rows)} "
+                                 f"rows failed (scored 0); first: {errors[0][:2000]}", step=step)
         self.version = self.run.policy.current
         if step == 0:  # before the first step: the run's starting point
             self.first = out

@@ -72,7 +72,7 @@ def tree_digest(root: Path, files: list[str]) -> str:
 def build_wheel(root: Path = ROOT, cache: Path | None = None) -> Path:
     """The wheel of the tree at ``root``, built once per content (from a copy of its files: the
     build leaves nothing in the checkout)."""
-    from training_core.models.smollm2 import cache_root
+    from training_core.cache import cache_root
 
     files = tree_files(root)
     out = (cache or cache_root() / "builds") / tree_digest(root, files)[:24]

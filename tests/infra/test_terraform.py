@@ -230,11 +230,31 @@ def test_the_runs_vpc_is_peered_with_the_control_planes_when_given():
     assert "var.control_plane_vpc_cidr" in locals_["control_cidrs"]
     outputs = _blocks(TF / "modules" / "gpu_node_pool", "output")
     assert "local.peered ? local.ray_head_ip" in outputs["ray_address"]["value"]
-    # runs peered at once with one control plane need ranges of their own
     run = _load(TF / "run" / "main.tf")
     pool = next(body for name, body in run["module"][0].items() if name.strip('"') == "pool")
-    assert pool["vpc_cidr"].strip('"') == "10.${100 + var.run_id % 150}.0.0/16"
     assert pool["control_plane_vpc_id"] == "${var.control_plane_vpc_id}"
+
+
+def test_the_runs_vpc_range_is_the_one_the_spec_keeps_the_control_plane_out_of():
+    """Runs peered at once with one control plane need ranges of their own; the range is
+    written twice (HCL cannot import Python): config.RUN_VPC_OCTETS and run/main.tf agree."""
+    from training_core.config import RUN_VPC_OCTETS, SpecError, load_spec
+
+    first, count = RUN_VPC_OCTETS[0], len(RUN_VPC_OCTETS)
+    run = _load(TF / "run" / "main.tf")
+    pool = next(body for name, body in run["module"][0].items() if name.strip('"') == "pool")
+    assert pool["vpc_cidr"].strip('"') == f"10.${{{first} + var.run_id % {count}}}.0.0/16"
+    variables = _blocks(TF / "run", "variable")
+    shown = f"10.{first}.0.0-10.{RUN_VPC_OCTETS[-1]}.255.255"
+    assert shown in variables["control_plane_vpc_cidr"]["description"]
+    base = ["orchestration.provider=terraform", "orchestration.terraform_vars.control_plane_vpc_id="
+            "vpc-0123456789abcdef0"]
+    field = "orchestration.terraform_vars.control_plane_vpc_cidr"
+    for octet, refused in ((first - 1, False), (first, True), (RUN_VPC_OCTETS[-1], True),
+                           (RUN_VPC_OCTETS[-1] + 1, False)):
+        with pytest.raises(SpecError) as err:  # the other required variables are left out
+            load_spec(None, base + [f"{field}=10.{octet}.0.0/16"])
+        assert (field in err.value.errors) == refused, octet
 
 
 def test_the_build_and_the_nodes_secrets_are_required_typed_variables():

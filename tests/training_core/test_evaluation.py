@@ -164,10 +164,11 @@ def test_an_agent_evaluates_its_own_greedy_episode_and_draws_no_samples(tiny_mod
 @pytest.mark.slow
 def test_a_generator_run_above_10007_rows_reports_overlap_0_and_evaluates_its_final_version(
         tmp_path):
-    """A real run (tiny model, embedded server, trainer) drawing 10,100 generated rows: its eval
-    set shares no question with the training pool, it says so (eval/heldout/overlap_train_pool
-    = 0), and each eval carries its version and statistics; the final version is evaluated
-    although eval.every does not divide the step count."""
+    """A real run (tiny model, embedded server, trainer) drawing 10,100 reasoning-gym rows, which
+    seeds item i with seed + i (the old eval seed, seed + 10_007, made eval row j training row
+    10_007 + j): its eval set shares no question with the training pool, it says so
+    (eval/heldout/overlap_train_pool = 0), and each eval carries its version and statistics; the
+    final version is evaluated although eval.every does not divide the step count."""
     from training_core import metric_names
     from training_core.metrics import read_metrics
     from training_core.train import train
@@ -175,8 +176,9 @@ def test_a_generator_run_above_10007_rows_reports_overlap_0_and_evaluates_its_fi
     spec = load_spec(None, [
         "model.path=tiny", "rollout.max_new_tokens=8", "rollout.max_concurrent=8",
         "rollout.group_size=2", "trainer.batch_groups=2", "trainer.steps=3", "checkpoint.every=0",
-        "data.size=10100", "data.options={max_value: 99}", "eval.every=2", "eval.size=6",
-        "eval.samples=2", "reward.fn=builtin:arithmetic", "reward.executor=inline",
+        "data.source=reasoning_gym:basic_arithmetic", "data.size=10100",
+        "data.options={max_terms: 2, max_digits: 1}", "eval.every=2", "eval.size=6",
+        "eval.samples=2", "reward.fn=builtin:reasoning_gym", "reward.executor=inline",
         f"run_dir={tmp_path / 'run'}"])
     result = train(spec, progress=False)
     rows = read_metrics(result.run_dir)
@@ -186,6 +188,54 @@ def test_a_generator_run_above_10007_rows_reports_overlap_0_and_evaluates_its_fi
     assert [evals[s][H["version"]] for s in (0, 2, 3)] == [0, 2, 3]
     for row in evals.values():
         assert row[H["overlap_train_pool"]] == 0.0 and row[H["questions"]] == 6
+        assert row[H["seen_in_trained_batch"]] == 0.0  # none of them came up in a batch
         assert 0 <= row[H["pass@k"]] <= 1 and row[H["n"]] == 2
     written = {k for r in rows for k in r} - metric_names.LINE_FIELDS
     assert written <= metric_names.DECLARED, sorted(written - metric_names.DECLARED)
+
+
+@pytest.mark.slow
+def test_oolong_eval_evaluates_a_stored_version_of_a_finished_run(tmp_path, capsys):
+    """``oolong eval RUN_DIR``: the last stored version on the run's own eval set gives the
+    greedy accuracy the run measured at that version through its server; another set that
+    shares questions with the training pool is refused unless --allow-overlap says so."""
+    import json
+
+    from training_core import metric_names
+    from training_core.cli import main
+    from training_core.metrics import read_metrics
+    from training_core.train import train
+
+    spec = load_spec(None, [
+        "model.path=tiny", "rollout.max_new_tokens=8", "rollout.max_concurrent=8",
+        "rollout.group_size=2", "trainer.batch_groups=2", "trainer.steps=2", "checkpoint.every=0",
+        "data.size=2000", "data.options={max_value: 9}", "eval.every=2", "eval.size=8",
+        "reward.fn=builtin:arithmetic", "reward.executor=inline", f"run_dir={tmp_path / 'run'}"])
+    run_dir = train(spec, progress=False).run_dir
+    H = metric_names.EVAL_HELDOUT
+    measured = next(r for r in read_metrics(run_dir) if r.get(H["version"]) == 2)
+
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(run_dir), "--samples", "3", "--k", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    m = result["metrics"]
+    assert result["version"] == 2 and result["set"] == "heldout"
+    assert m[H["version"]] == 2 and m[H["questions"]] == 8 and m[H["overlap_train_pool"]] == 0
+    assert m[H["greedy_accuracy"]] == measured[H["greedy_accuracy"]]
+    assert m[H["n"]] == 3 and m[H["k"]] == 2 and 0 <= m[H["pass@k"]] <= 1
+
+    # Questions of the run's 100-question space, most in its training pool: refused.
+    rows = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(3)]
+    path = tmp_path / "train_like.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "--data", f"jsonl:{path}"]) == 2
+    assert "--allow-overlap" in capsys.readouterr().err
+    assert main(["eval", str(run_dir), "--data", f"jsonl:{path}", "--allow-overlap",
+                 "--version", "0"]) == 0
+    other = json.loads(capsys.readouterr().out)
+    assert other["set"] == "train_like" and other["version"] == 0
+    # in the pool, but for those the run holds out in its own eval set
+    assert other["metrics"]["eval/train_like/overlap_train_pool"] > 0.5
+    assert main(["eval", str(run_dir), "--version", "7"]) == 2
+    assert "no such weights" in capsys.readouterr().err

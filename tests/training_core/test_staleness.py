@@ -95,3 +95,41 @@ def test_out_of_order_stragglers_can_exceed_eta():
     lags = _simulate(1, in_order=False)
     assert max(lags) > 1
     assert sum(lag <= 1 for lag in lags) / len(lags) > 0.5
+
+
+def test_the_per_token_bound_drops_a_sample_one_version_past_its_last_chance():
+    from training_core.staleness import last_chance, token_bound, too_stale
+
+    assert token_bound(2, None) == 2 and token_bound(2, 0) == 0  # eta unless set
+    # bound 1, batch taken at version 5: an oldest token from 4 stays, one from 3 leaves
+    assert not too_stale(4, 5, 1) and too_stale(3, 5, 1)
+    assert last_chance(4, 5, 1) and not last_chance(3, 5, 1) and not last_chance(5, 5, 1)
+    # an episode whose last chance is now would be too stale in the next batch
+    assert last_chance(4, 5, 1) and too_stale(4, 6, 1)
+    assert not too_stale(0, 100, None) and not last_chance(0, 100, None)  # no per-token bound
+
+
+def test_no_module_but_staleness_py_computes_with_a_staleness_bound():
+    """The bound is written once: arithmetic or a comparison on max_staleness,
+    max_token_staleness or token_staleness_bound elsewhere decides it a second time."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    names = {"max_staleness", "max_token_staleness", "token_staleness_bound"}
+
+    def named(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr in names) or \
+            (isinstance(node, ast.Name) and node.id in names)
+
+    found = []
+    for top in ("training_core", "webapp", "workers", "platform"):
+        for path in sorted((root / top).rglob("*.py")):
+            if path.name == "staleness.py" or "tests" in path.parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                sides = [node.left, node.right] if isinstance(node, ast.BinOp) else \
+                    [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
+                if any(named(s) for s in sides):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert found == []

@@ -184,23 +184,20 @@ def load_data(spec_data: Any, seed: int) -> LoadedData:
 
     Generators draw eval rows from their own seed stream (EVAL_SEED_OFFSET), each question
     once; files split by distinct question, so every copy of a question lands on one side. Either
-    way at most ``data.eval_size`` questions and a fifth of the distinct questions are held out. Then
-    every training row that asks an eval question is removed (a generator with a small question
-    space repeats questions across streams), unless ``data.allow_eval_overlap`` says an
-    in-sample evaluation is intended. The measured overlap is kept per set; one above 0 that
-    the spec did not allow is an error."""
+    way at most ``data.eval_size`` questions are held out, and at most a fifth of the training
+    draw's distinct questions leave it for them. Then every training row that asks an eval
+    question is removed (a generator with a small question space repeats questions across
+    streams), unless ``data.allow_eval_overlap`` says an in-sample evaluation is intended. The
+    measured overlap is kept per set; one above 0 that the spec did not allow is an error."""
     kind = spec_data.source.split(":", 1)[0]
     common = dict(options=spec_data.options, question_field=spec_data.question_field,
                   answer_field=spec_data.answer_field)
     if kind in ("synthetic", "reasoning_gym"):
         if spec_data.size > MAX_GENERATED_ROWS:
             raise DatasetError(f"data.size {spec_data.size} is above {MAX_GENERATED_ROWS}: the "
-                               "eval seed stream must stay out of the training seeds' reach")
+                               "eval seed stream must stay out of the training seeds' reach; lower data.size")
         train = load_rows(spec_data.source, size=spec_data.size, seed=seed, **common)
-        # As for files, at most a fifth of the questions the training draw holds are held out:
-        # a small question space (two terms of 0..9: 100 questions) keeps most of them to train.
-        space = len({question_key(r["question"]) for r in train})
-        evals = _generated_eval(spec_data, min(spec_data.eval_size, space // 5), seed, common)
+        evals = _generated_eval(spec_data, train, seed, common)
     else:
         rows = load_rows(spec_data.source, size=spec_data.size, seed=seed, **common)
         if not rows:
@@ -211,18 +208,30 @@ def load_data(spec_data: Any, seed: int) -> LoadedData:
                     source=spec_data.source)
 
 
-def _generated_eval(spec_data: Any, want: int, seed: int,
+def _generated_eval(spec_data: Any, train: list[dict[str, Any]], seed: int,
                     common: dict[str, Any]) -> list[dict[str, Any]]:
-    """``want`` distinct questions from the eval seed stream; a small question space repeats
-    itself, so up to four times as many rows are drawn to find them."""
+    """Up to ``eval_size`` distinct questions from the eval seed stream. A question the training
+    draw also holds will leave training; as for files, at most a fifth of the draw's distinct
+    questions may (a small space, two terms of 0..9: 100 questions, keeps 80 to train on), and
+    past that only questions training never draws are taken. A small space repeats itself, so up
+    to four times ``eval_size`` rows are drawn to find them."""
+    want = spec_data.eval_size
     if want == 0:
         return []
+    pool = {question_key(r["question"]) for r in train}
+    may_take = len(pool) // 5
     for draw in (want, 4 * want):
-        rows = load_rows(spec_data.source, size=draw, seed=seed + EVAL_SEED_OFFSET, **common)
-        found = distinct_questions(rows)
-        if len(found) >= want:
-            break
-    return found[:want]
+        taken, from_pool = [], 0
+        for row in distinct_questions(load_rows(spec_data.source, size=draw,
+                                                seed=seed + EVAL_SEED_OFFSET, **common)):
+            in_pool = question_key(row["question"]) in pool
+            if in_pool and from_pool >= may_take:
+                continue
+            from_pool += in_pool
+            taken.append(row)
+            if len(taken) == want:
+                return taken
+    return taken
 
 
 def split_by_question(rows: list[dict[str, Any]], eval_size: int,
@@ -263,6 +272,14 @@ def held_out(train: list[dict[str, Any]], eval_sets: dict[str, list[dict[str, An
                            f"({leaked}); set data.allow_eval_overlap: true if that is intended")
     first = next(iter(eval_sets.values()), [])
     return LoadedData(train, first, dict(eval_sets), overlap, removed)
+
+
+def warm_start_rows(spec_data: Any, seed: int) -> list[dict[str, Any]]:
+    """Rows for a supervised warm start (training_core/sft.py): another draw than the RL run's
+    first (seed + 1), without the RL run's eval questions, which no training may see."""
+    held = {question_key(r["question"]) for r in load_data(spec_data, seed).eval}
+    return [r for r in load_data(spec_data, seed + 1).train
+            if question_key(r["question"]) not in held]
 
 
 class PromptLoader:
@@ -308,3 +325,23 @@ class PromptLoader:
             index = self.position
             self.position += 1
         return index, self.row(index)
+
+
+class TrainedQuestions:
+    """The questions of the prompts training batches held so far (by stream index), to measure
+    how many eval questions a run really trained on: 0 when eval sets are held out, the
+    in-sample share when ``data.allow_eval_overlap`` kept them. It maps indices with its own
+    :class:`PromptLoader` over the same rows and seed: the executor's caches an epoch's order
+    and is read from the rollout thread."""
+
+    def __init__(self, rows: list[dict[str, Any]], seed: int):
+        self._loader = PromptLoader(rows, seed)
+        self.keys: set[str] = set()
+
+    def add(self, indices: list[int]) -> None:
+        self.keys.update(question_key(self._loader.row(i)["question"]) for i in indices if i >= 0)
+
+    def fraction(self, eval_rows: list[dict[str, Any]]) -> float:
+        """The fraction of the eval set's distinct questions some training batch held."""
+        asked = {question_key(r["question"]) for r in eval_rows}
+        return len(asked & self.keys) / len(asked) if asked else 0.0

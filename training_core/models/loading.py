@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -13,11 +12,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from training_core.dtypes import DEFAULT_DTYPE, precision, torch_dtype
 
 
-def load_model(folder: str | Path, dtype: str = "float32") -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype])
+def load_model(folder: str | Path, dtype: str = DEFAULT_DTYPE) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(precision(dtype).name))
     model.config.use_cache = True
     return model
 

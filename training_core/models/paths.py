@@ -15,12 +15,18 @@ import shutil
 import uuid
 from pathlib import Path
 
-from training_core.models.smollm2 import cache_root, ensure_smollm2
+from training_core.cache import cache_root
+from training_core.models.smollm2 import ensure_smollm2
+
+# The models Oolong builds itself, by the name ``model.path`` gives them: the only ones a project
+# member may train (webapp/runs/policy.py reads this list; administrators may name a folder).
+TINY, SMOLLM2 = "tiny", "smollm2"
+REGISTERED_MODELS = (TINY, SMOLLM2)
 
 
 def resolve_model_dir(path: str, *, hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4) -> Path:
     """``tiny`` -> a cached fresh tiny model; ``smollm2`` -> converted GGUF; else a local folder."""
-    if path == "tiny":
+    if path == TINY:
         key = hashlib.sha1(json.dumps([hidden_size, num_layers, num_heads]).encode()).hexdigest()[:10]
         out = cache_root() / "models" / f"tiny-{key}"
         if not (out / "config.json").exists():
@@ -33,13 +39,13 @@ def resolve_model_dir(path: str, *, hidden_size: int = 128, num_layers: int = 4,
             except OSError:  # another process won the race: theirs is identical
                 shutil.rmtree(tmp, ignore_errors=True)
         return out
-    if path == "smollm2":
+    if path == SMOLLM2:
         return ensure_smollm2()
     folder = Path(path)
     if not (folder / "config.json").exists():
         raise FileNotFoundError(
-            f"model.path {path!r} is not 'tiny', 'smollm2' or a local Hugging Face folder "
-            "(no config.json there)"
+            f"model.path {path!r} is not one of {', '.join(REGISTERED_MODELS)} or a local Hugging "
+            "Face folder (no config.json there)"
         )
     return folder
 

@@ -14,6 +14,8 @@ import shutil
 import uuid
 from pathlib import Path
 
+from training_core.cache import cache_root
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -35,10 +37,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("OOLONG_CACHE", Path.home() / ".cache" / "oolong"))
 
 
 def ensure_smollm2() -> Path:

@@ -28,12 +28,26 @@ version and this CPU's feature flags: a cache copied to another machine is rebui
 instructions it lacks. About 15 s once per machine; ``python -m training_core.rollout_server.cpu_kernels``
 builds ahead (scripts/test.sh does). Where it cannot be built (no compiler) or
 ``OOLONG_CPU_KERNELS=0``, :func:`decode_attention` is None and the engine keeps torch's path.
+
+One switch, and torch's path is the reference. The kernels, oneDNN's prepacked weights
+(packed_linear.py) and the fused decode step (fused_decode.py) are an optional accelerator for
+CPUs: ``OOLONG_CPU_KERNELS=0`` (:func:`enabled`) turns all of them off, and the engine decodes
+through transformers' forward with torch's operators, the path every accelerated one is tested
+against (tests/training_core/test_kernel_paths.py: each projection kernel this machine has).
+The finer switches (``OOLONG_AMX``, ``OOLONG_AVX512_LINEAR``, ``OOLONG_AVX2_LINEAR``,
+``OOLONG_FUSED_DECODE``) only narrow what that one allows.
+
+Choices made by timing are made once per machine and recorded (:func:`recorded`, a JSON file
+beside the build): which projection kernel serves which batch sizes, and whether bf16 goes in
+vdpbf16ps's pairs. Every server of the machine reads the first one's answer, so two servers of
+a run never sum in different orders because they timed a noisy second differently.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -43,8 +57,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from training_core.cache import cache_root
 
 log = logging.getLogger("oolong.server")
 
@@ -106,8 +123,6 @@ def _compiler() -> str:
 
 def build_dir() -> Path:
     """The build's folder: its key covers the sources, flags, compiler, torch and this CPU."""
-    from training_core.models.smollm2 import cache_root
-
     key = hashlib.sha256()
     for src in SOURCES + HEADERS:
         key.update(src.read_bytes())
@@ -116,10 +131,18 @@ def build_dir() -> Path:
     return cache_root() / "kernels" / key.hexdigest()[:16]
 
 
+def enabled() -> bool:
+    """The one switch: False with ``OOLONG_CPU_KERNELS=0``, and then no part of the CPU
+    accelerator runs (no kernels, no prepacked weights, no fused decode step): torch's path."""
+    return os.environ.get(CPU_KERNELS_ENV, "1") != "0"
+
+
 def load() -> bool:
     """Build (once per machine) and load the kernels into ``torch.ops.oolong``; False where they
     cannot be (logged once per process)."""
     global _loaded
+    if not enabled():  # read at every call: the switch holds even after a load
+        return False
     with _lock:
         if _loaded is None:
             _loaded = _load()
@@ -127,7 +150,7 @@ def load() -> bool:
 
 
 def _load() -> bool:
-    if os.environ.get(CPU_KERNELS_ENV, "1") == "0":
+    if not enabled():
         return False
     try:
         target = build_dir()  # reads the sources: a package installed without them has none
@@ -298,19 +321,61 @@ def projections(device: torch.device, dtype: torch.dtype) -> Projections | None:
     kernel is for CPUs where the AVX-512 one is not built (no AVX-512 with bf16 conversions:
     AMD's Zen 2 and 3, Xeons before Cooper Lake; where it is built, switching it off leaves
     oneDNN's), measured likewise (OOLONG_AVX2_LINEAR=1: at every batch; 0: never)."""
+    kernels = available_projections(device, dtype)
+    if "avx2" in kernels and torch.ops.oolong.avx512_linear_available():
+        del kernels["avx2"]  # where the AVX-512 kernel is built, switching it off leaves oneDNN's
+    return next(iter(kernels.values()), None)
+
+
+def available_projections(device: torch.device, dtype: torch.dtype) -> dict[str, Projections]:
+    """Every projection kernel this machine (its CPU and the build's compiler) has for ``dtype``,
+    by instruction set ("amx", "avx512", "avx2"), in the order :func:`projections` prefers them;
+    the switches apply."""
+    kernels: dict[str, Projections] = {}
     amx = amx_linear(device, dtype)
     if amx is not None:
-        return Projections("amx", torch.ops.oolong.amx_pack, amx, "amx_linear", min_rows=AMX_MIN_ROWS)
+        kernels["amx"] = Projections("amx", torch.ops.oolong.amx_pack, amx, "amx_linear",
+                                     min_rows=AMX_MIN_ROWS)
     avx512 = avx512_linear(device, dtype)
     if avx512 is not None:
-        pairs = dtype == torch.bfloat16 and torch.ops.oolong.avx512_dot_pairs_faster()
-        return Projections("avx512-pairs" if pairs else "avx512", partial(_avx512_pack, pairs=pairs),
-                           avx512, "avx512_linear", measure=os.environ.get(AVX512_LINEAR_ENV) != "1")
+        pairs = dtype == torch.bfloat16 and recorded(
+            "avx512_dot_pairs_faster", lambda: bool(torch.ops.oolong.avx512_dot_pairs_faster()))
+        kernels["avx512"] = Projections(
+            "avx512-pairs" if pairs else "avx512", partial(_avx512_pack, pairs=pairs), avx512,
+            "avx512_linear", measure=os.environ.get(AVX512_LINEAR_ENV) != "1")
     avx2 = avx2_linear(device, dtype)
-    if avx2 is not None and not torch.ops.oolong.avx512_linear_available():
-        return Projections("avx2", partial(_avx512_pack, pairs=False), avx2, "avx2_linear",
-                           measure=os.environ.get(AVX2_LINEAR_ENV) != "1")
-    return None
+    if avx2 is not None:
+        kernels["avx2"] = Projections("avx2", partial(_avx512_pack, pairs=False), avx2,
+                                      "avx2_linear", measure=os.environ.get(AVX2_LINEAR_ENV) != "1")
+    return kernels
+
+
+def choices_file() -> Path:
+    """Where this machine's timed choices are recorded: beside the build, whose key covers the
+    sources, the compiler, torch and the CPU (another machine or build chooses anew)."""
+    return build_dir().parent / f"{build_dir().name}-choices.json"
+
+
+def recorded(key: str, choose: Callable[[], Any]) -> Any:
+    """``choose()``'s answer for ``key`` as this machine first recorded it; the first caller
+    runs it (under a lock, so servers starting together time once) and records it (JSON). A
+    record that cannot be read or written is chosen anew, and logged."""
+    path = choices_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            choices = json.loads(path.read_text()) if path.exists() else {}
+            if key not in choices:
+                choices[key] = choose()
+                tmp = path.with_suffix(f".tmp-{os.getpid()}")
+                tmp.write_text(json.dumps(choices, indent=1, sort_keys=True))
+                tmp.replace(path)
+                log.info("recorded this machine's choice %s = %s in %s", key, choices[key], path)
+            return choices[key]
+    except (OSError, ValueError) as exc:
+        log.warning("choice %s not recorded (%s): chosen for this process only", key, exc)
+        return choose()
 
 
 def _avx512_pack(w: torch.Tensor, *, pairs: bool) -> torch.Tensor:
@@ -347,6 +412,17 @@ def measured(kernel: Projections, kernel_step: Callable[[int], None],
              kernel.name, ", ".join(timings),
              f"the kernel serves batches of {_ranges(won)} rows" if won else "oneDNN's serve")
     return replace(kernel, measure=False, won=frozenset(won)) if won else None
+
+
+def measured_once(kernel: Projections, model_key: str, kernel_step: Callable[[int], None],
+                  onednn_step: Callable[[int], None]) -> Projections | None:
+    """:func:`measured`, once per machine, kernel and model shape (``model_key``), recorded: the
+    batch sizes it won, or none. Every later server of this machine decodes on the same choice."""
+    won = recorded(f"projections:{kernel.name}:{model_key}", lambda: sorted(
+        (chosen.won or ()) if (chosen := measured(kernel, kernel_step, onednn_step)) else ()))
+    if not won:
+        return None
+    return replace(kernel, measure=False, won=frozenset(won))
 
 
 if __name__ == "__main__":  # build ahead: `python -m training_core.rollout_server.cpu_kernels`

@@ -30,7 +30,7 @@ cores), the step's projections went 116-124 -> 72-74 ms at 64 rows, 41.6 -> 28 a
 11.2 at one, and fp32's 89.6 -> 77.7 at 64 rows. On an AMD EPYC (Zen 4) vdpbf16ps issues as
 fast as an FMA, so twice the products, and oneDNN's bf16 (on it) outran the widening kernel 2x
 at 64 rows; there the kernel takes bf16 in vdpbf16ps's pairs of k instead (the CPU's two rates
-are measured once per process). On a CPU with AVX2 where that kernel is not built (no
+are measured once per machine and recorded, cpu_kernels.recorded). On a CPU with AVX2 where that kernel is not built (no
 AVX-512 with bf16 conversions, such as AMD's Zen 3) the AVX2
 kernel (kernels/avx2_linear.cpp) does the same in passes of six rows by half a panel: SmolLM2's
 fp32 projections 27.2 -> 21.6 ms at one row, 58 -> 44 at 16, 151 -> 130 at 64 (an AVX2 EPYC; a
@@ -39,7 +39,8 @@ decoder needs its packed weights). Which of kernel and oneDNN is faster still de
 CPU and the batch, so the decoder times both on its own weights when it is made
 (cpu_kernels.measured: a step's projections, lm_head's included, three times each per
 calibration batch size, about a second for SmolLM2) and decodes on the kernel only at the batch
-sizes where it took under 95% of oneDNN's time.
+sizes where it took under 95% of oneDNN's time. That choice is made once per machine and model
+shape and recorded (cpu_kernels.measured_once): every later server decodes on the same one.
 
 Where the kernels make the whole step (attention, RMSNorm, and a projection kernel that serves
 the batch), the layers run in one C++ call (cpu_kernels.decode_layers, kernels/decode_layers.cpp):
@@ -74,6 +75,14 @@ from training_core.rollout_server.slot_cache import SlotCache, attention
 log = logging.getLogger("oolong.server")
 _linear = torch.ops.mkldnn._linear_pointwise
 FUSED_DECODE_ENV = "OOLONG_FUSED_DECODE"  # "0": transformers' forward decodes (a kill switch)
+
+
+def _shape_key(model: nn.Module) -> str:
+    """What a projection timing depends on besides the machine: the weights' shapes and dtype."""
+    cfg = model.config
+    return (f"{next(model.parameters()).dtype}:{cfg.hidden_size}x{cfg.intermediate_size}"
+            f":{cfg.num_hidden_layers}L:{cfg.num_attention_heads}/{cfg.num_key_value_heads}h"
+            f":{cfg.vocab_size}v:{'tied' if getattr(cfg, 'tie_word_embeddings', False) else 'own'}")
 
 
 def supports(model: nn.Module) -> bool:
@@ -125,8 +134,10 @@ class FusedDecoder:
         self.refresh()
         if self._proj is not None and self._proj.measure:
             kernel = self._proj.linear
-            self._proj = cpu_kernels.measured(self._proj, lambda rows: self._projections(rows, kernel),
-                                              lambda rows: self._projections(rows, None))
+            # once per machine and model shape, recorded: every server decodes on one choice
+            self._proj = cpu_kernels.measured_once(
+                self._proj, _shape_key(model), lambda rows: self._projections(rows, kernel),
+                lambda rows: self._projections(rows, None))
             if self._proj is None:  # no copy of the weights kept for a kernel that never runs
                 self._proj_layers, self._proj_head, self._norm_weights = None, None, None
         log.info("decode projections: %s", "oneDNN's" if self._proj is None else self._proj.describe())

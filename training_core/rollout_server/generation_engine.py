@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from training_core.allocator import retain_freed_memory
+from training_core.dtypes import DEFAULT_DTYPE, torch_dtype
 from training_core.prefix_tree import layer_masks, sliding_window
 from training_core.rollout_server import cpu_kernels
 from training_core.rollout_server.fused_decode import FUSED_DECODE_ENV, FusedDecoder, supports
@@ -103,7 +104,7 @@ class Seq:
 
 class GenerationEngine:
     def __init__(self, model_path: str, *, device: str = "cpu", max_batch_size: int = 256,
-                 seed: int = 0, weight_version: str = "0", dtype: str = "float32",
+                 seed: int = 0, weight_version: str = "0", dtype: str = DEFAULT_DTYPE,
                  fused_decode: bool | None = None):
         from training_core.models.loading import load_model, load_tokenizer
 
@@ -181,8 +182,11 @@ class GenerationEngine:
     def _load_model(self, load_model: Callable[..., torch.nn.Module], seed: int) -> None:
         self.model = load_model(self.model_path, self.dtype).to(self.device).eval()
         # On CPU: weights packed once for oneDNN, not on every call (packed_linear.py).
-        self._packed = can_pack(self.model, self.device) and pack_linears(self.model) > 0
-        if self.device.type == "cpu" and self.dtype == "bfloat16" and not self._packed:
+        # (the CPU accelerator's switch, cpu_kernels.enabled: off, torch's reference path)
+        self._packed = (cpu_kernels.enabled() and can_pack(self.model, self.device)
+                        and pack_linears(self.model) > 0)
+        if (self.device.type == "cpu" and torch_dtype(self.dtype) == torch.bfloat16
+                and not self._packed and cpu_kernels.enabled()):
             log.warning("model.dtype bfloat16 on a CPU whose oneDNN has no bf16 path (it needs "
                         "AVX512-BF16, AMX or AVX-NE-CONVERT): bf16 products are emulated, unpacked "
                         "and unfused, so float32 is likely the faster choice on this machine")
@@ -264,7 +268,7 @@ class GenerationEngine:
 
         def receive() -> tuple[dict[str, torch.Tensor], None]:
             try:
-                kinds = [_dtype(d) for d in dtypes]
+                kinds = [torch_dtype(d) for d in dtypes]
                 if flattened:
                     flat = self._staging(flat_nbytes(kinds, shapes))
                     broadcast_from_trainer(group, [flat])
@@ -610,14 +614,6 @@ def version_meta(events: list[tuple[str, int]], current: str, tokens: int) -> di
         spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
     visible = [span for span in spans if span["start"] < tokens or span["start"] == 0]
     return {"weight_versions": visible, "weight_version": visible[-1]["version"]}
-
-
-def _dtype(name: str) -> torch.dtype:
-    # SGLang's dtypes are torch's names without the "torch." prefix ("bfloat16", "float32").
-    dtype = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
 
 
 @dataclass

@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from training_core.dtypes import DEFAULT_DTYPE, PRECISIONS
 from training_core.rollout_server import streaming
 from training_core.rollout_server.engine_process import EngineProcess
 from training_core.rollout_server.requests import (
@@ -273,7 +274,9 @@ def _exit_with_parent(pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The server's flags; what a run passes is ``launch.embedded_server_command``'s (tests check
+    that every flag it writes parses here)."""
     parser = argparse.ArgumentParser(description="Oolong embedded rollout server (SGLang API)")
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
@@ -283,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--weight-version", default="0")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    parser.add_argument("--dtype", default=DEFAULT_DTYPE, choices=list(PRECISIONS),
                         help="weights, activations and KV cache (SGLang's --dtype); the run's "
                              "model.dtype")
     parser.add_argument("--weights-root", default=None,
@@ -291,7 +294,11 @@ def main(argv: list[str] | None = None) -> None:
                              "run's weights/); default: any")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is gone (no orphans after a SIGKILL)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s server %(levelname)s %(message)s")
     # Before anything starts a thread or opens a socket: the engine process is forked from here.

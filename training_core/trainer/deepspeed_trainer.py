@@ -20,6 +20,7 @@ import torch
 from training_core import world as world_
 from training_core.api import NonFiniteUpdate, TrainBatch
 from training_core.checkpoint import COMPLETE
+from training_core.dtypes import DEFAULT_DTYPE, precision, torch_dtype
 from training_core.models.loading import load_model
 from training_core.optim import adamw, keep_fused
 from training_core.prefix_tree import (
@@ -27,6 +28,7 @@ from training_core.prefix_tree import (
     prefix_tree_logprobs,
     sequence_logprobs,
 )
+from training_core.proximal import update_gives_proximal
 from training_core.transport import weight_files
 from training_core.world import barrier, init_distributed, local_rank, rank_and_world
 
@@ -65,7 +67,7 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 class DeepSpeedTrainer:
     def __init__(self, model_dir: str | Path, *, lr: float, weight_decay: float, grad_clip: float,
-                 zero_stage: int, dtype: str = "float32", dist_backend: str = "auto",
+                 zero_stage: int, dtype: str = DEFAULT_DTYPE, dist_backend: str = "auto",
                  temperature: float = 1.0, micro_batch_tokens: int = 8192, keep_reference: bool = False,
                  share_prefixes: bool = True):
         import deepspeed
@@ -81,11 +83,12 @@ class DeepSpeedTrainer:
         # (DeepSpeed's torch_autocast mode; norms, softmax and the loss stay fp32). Weights held
         # in bf16 would lose updates smaller than 2^-8 of a weight: Adam's steps at RL learning
         # rates mostly are. float16 keeps DeepSpeed's fp16 mode (half weights, loss scaling).
-        self.autocast = dtype == "bfloat16"
+        mode = precision(dtype)  # how each dtype trains: training_core/dtypes.py
+        self.autocast = mode.autocast is not None
         # The servers serve in the run's dtype: a bf16 run's fp32 master weights go out in bf16,
         # half the bytes to copy, send and load (the servers would cast them on load anyway).
-        self.serve_dtype = torch.bfloat16 if self.autocast else None
-        weights_dtype = "float32" if self.autocast else dtype
+        self.serve_dtype = torch_dtype(mode.name) if mode.trainer_weights != mode.name else None
+        weights_dtype = mode.trainer_weights
         model = load_model(model_dir, weights_dtype).to(self.device)
         model.config.use_cache = False
         # The proximal logprobs are computed in eval mode and the update in train mode: with
@@ -104,8 +107,9 @@ class DeepSpeedTrainer:
             "managed_gradient_accumulation": False,
             "gradient_clipping": grad_clip,
             "zero_optimization": {"stage": zero_stage},
-            "torch_autocast": {"enabled": self.autocast, "dtype": "bfloat16"},
-            "fp16": {"enabled": dtype == "float16"},
+            "torch_autocast": {"enabled": self.autocast, "dtype": mode.autocast} if self.autocast
+            else {"enabled": False},
+            "fp16": {"enabled": mode.fp16_mode},
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
@@ -184,7 +188,7 @@ class DeepSpeedTrainer:
         ``before_micro_batch`` runs before each micro-batch (the trainer re-balances its threads
         there, see train.ThreadShare).
         """
-        if prox_logp is None and minibatches > 1:
+        if prox_logp is None and not update_gives_proximal(minibatches):
             raise ValueError("with several minibatches the proximal logprobs must be computed "
                              "before the first optimizer step")
         self.engine.train()

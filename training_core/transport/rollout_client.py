@@ -55,6 +55,7 @@ from training_core.transport.http import DEAD_AFTER_S, aretrying, refused
 from training_core.transport.json_http import Connector, JsonHttpClient
 from training_core.transport.server_auth import server_key
 from training_core.transport.streaming import stream_generate
+from training_core.transport.token_versions import parse_version, token_versions
 from training_core.version import PolicyVersion
 
 log = logging.getLogger(__name__)
@@ -230,7 +231,7 @@ class RolloutClient:
         try:
             result = await self._post(server, "/generate", payload)
             items = result if isinstance(result, list) else [result]
-            if any(_parse_version(r.get("meta_info", {}).get("weight_version"), version) < version
+            if any(parse_version(r.get("meta_info", {}).get("weight_version"), version) < version
                    for r in items if isinstance(r, dict)):
                 if not server.behind:
                     log.warning("%s serves weights older than version %d: not routed to until "
@@ -369,7 +370,7 @@ class RolloutClient:
                     f"{finish.get('message') or 'no message'}")
             st.ids += ids
             st.logprobs += lps
-            st.versions += _token_versions(meta, len(ids), version_at_submit, paused_meanwhile)
+            st.versions += token_versions(meta, len(ids), version_at_submit, paused_meanwhile)
             st.finish = finish.get("type", "stop")
             if st.finish == "abort":
                 st.interruptions += 1
@@ -585,31 +586,6 @@ class RolloutClient:
         if lean is not None:
             await lean.aclose()
 
-
-def _token_versions(meta: dict, tokens: int, at_submit: int, paused_meanwhile: bool) -> list[int]:
-    """Each output token's policy version: from SGLang's spans (``weight_versions``: which
-    version made tokens ``[start, end)``) where the server sends them, else the response's
-    ``weight_version`` for all (the one it started with when a pause fell in between: the
-    oldest, so the staleness bound stays strict)."""
-    spans = meta.get("weight_versions")
-    if isinstance(spans, list) and spans:
-        out = [at_submit] * tokens
-        for span in spans:
-            version = _parse_version(span.get("version"), at_submit)
-            for i in range(max(int(span.get("start", 0)), 0), min(int(span.get("end", 0)), tokens)):
-                out[i] = version
-        return out
-    version = _parse_version(meta.get("weight_version"), at_submit)
-    if paused_meanwhile:  # an in-place pause: tokens from both sides of an update
-        version = min(version, at_submit)
-    return [version] * tokens
-
-
-def _parse_version(value: object, fallback: int) -> int:
-    try:
-        return int(str(value))
-    except (TypeError, ValueError):
-        return fallback
 
 
 def _check_all(call: str, servers: list[_Server], results: list[Any]) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
@@ -27,16 +27,7 @@ from training_core.api import (
     RequestRejected,
     RolloutServerError,
 )
-
-if TYPE_CHECKING:
-    from training_core.transport.rollout_client import RolloutClient
-
-
-def _version(value: object, fallback: int) -> int:
-    try:
-        return int(str(value))
-    except (TypeError, ValueError):
-        return fallback
+from training_core.transport.token_versions import token_versions
 
 
 async def _events(http: httpx.AsyncClient, url: str, payload: dict[str, Any],
@@ -59,13 +50,14 @@ async def _events(http: httpx.AsyncClient, url: str, payload: dict[str, Any],
             yield item
 
 
-async def stream_generate(client: RolloutClient, request: GenerationRequest
+async def stream_generate(client: Any, request: GenerationRequest
                           ) -> AsyncIterator[GenerationResponse]:
+    """``client``: the :class:`~training_core.transport.rollout_client.RolloutClient` whose rules
+    the stream follows (not imported here: that module imports this one)."""
     ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
     interruptions = failures = 0
-    from training_core.transport.rollout_client import _token_versions
 
     request, clamped = await client._fit_context(request)  # the one prompt-length rule
     budget = request.sampling.max_new_tokens
@@ -97,7 +89,7 @@ async def stream_generate(client: RolloutClient, request: GenerationRequest
                     paused = client._paused or client._pauses != pauses_at_submit
                     ids += out[done:]
                     logprobs += lps[done:]
-                    versions += _token_versions(meta, len(out), version_at_submit, paused)[done:]
+                    versions += token_versions(meta, len(out), version_at_submit, paused)[done:]
                     done = len(out)
                     finish = meta.get("finish_reason") or {}
                     yield GenerationResponse(list(request.input_ids), list(ids), list(logprobs),

@@ -41,8 +41,8 @@ import torch
 
 from training_core.api import RolloutServerError, TrainEngine, WeightReceiver
 from training_core.checkpoint import CURRENT_WEIGHTS, pushed_weights
-from training_core.launch import NODE_ADDRESS_ENV
-from training_core.ports import free_port
+from training_core.dtypes import wire_name
+from training_core.ports import NODE_ADDRESS_ENV, free_port
 from training_core.transport.weight_group import (
     DEFAULT_GROUP_NAME,
     backend_for,
@@ -172,7 +172,7 @@ class DistributedSync:
         self._flat = [flatten([t for _, t in b], out=self._flat[i] if i < len(self._flat) else None)
                       for i, b in enumerate(buckets)] if self.flatten else []
         self._buckets = [
-            _Bucket([n for n, _ in b], [_dtype_name(t) for _, t in b], [list(t.shape) for _, t in b],
+            _Bucket([n for n, _ in b], [wire_name(t.dtype) for _, t in b], [list(t.shape) for _, t in b],
                     [self._flat[i]] if self.flatten else [t.contiguous() for _, t in b])
             for i, b in enumerate(buckets)]
         self._version = version
@@ -243,10 +243,6 @@ def node_address(server_url: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((parsed.hostname or "127.0.0.1", parsed.port or 80))
         return s.getsockname()[0]
-
-
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")  # SGLang's form: "bfloat16", "float32"
 
 
 def _buckets(items: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tuple[str, torch.Tensor]]]:

@@ -10,6 +10,7 @@ from django.conf import settings
 from django.db import transaction
 
 from webapp.runs.models import Run
+from webapp.runs.selectors import run_spec_resolved
 from webapp.runs.services import (
     run_event_add,
     run_orchestrator_ref_set,
@@ -32,7 +33,7 @@ def run_submit_to_orchestrator(*, run_id: int) -> str | None:
         run = Run.objects.select_for_update().get(id=run_id)
         if run.orchestrator_ref or run.status != Run.Status.QUEUED:
             return run.orchestrator_ref or None  # already submitted, or cancelled meanwhile
-        provider = run.spec.get("orchestration", {}).get("provider", "local")
+        provider = run_spec_resolved(run=run).orchestration.provider
         # The flow's own token: only its hash stays here.
         token = run_token_issue(run=run, purpose="orchestrator")
     try:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from training_core.models.paths import REGISTERED_MODELS, TINY
 from webapp.core.errors import ApplicationError
 
-REGISTERED_MODELS = ("tiny", "smollm2")  # training_core.models.paths builds these locally
 # Fields only an administrator may change from their default.
 ADMIN_FIELDS = ("orchestration.provider", "orchestration.terraform_vars", "rollout.server_urls",
                 "reward.remote_backend", "run_dir",
@@ -201,7 +201,7 @@ def quota_errors(*, limits: dict[str, int], spec: dict[str, Any]) -> list[dict[s
     for name, path in QUOTA_FIELDS.items():
         maximum = limits[name]
         if path == "model":
-            if _get(spec, "model.path") != "tiny":
+            if _get(spec, "model.path") != TINY:
                 continue  # a registered pretrained model has its own, fixed size
             hidden, layers = _get(spec, "model.hidden_size"), _get(spec, "model.num_layers")
             params = tiny_model_params(hidden, layers)

@@ -11,6 +11,7 @@ from training_core import metric_names as M
 from webapp.core.errors import ApplicationError
 from webapp.datasets.selectors import dataset_version_rows
 from webapp.runs.models import Run
+from webapp.runs.selectors import run_spec_resolved
 from webapp.runs.services import run_event_add
 from webapp.tracking.services import metrics_ingest
 
@@ -19,7 +20,6 @@ def checkpoint_evaluate(*, run_id: int, checkpoint_step: int | None = None, limi
     from orchestration.trigger import flow_run_dir
 
     from training_core.checkpoint import pushed_weights
-    from training_core.config import spec_from_dict
     from training_core.models.paths import run_model_dir
     from training_core.offline_eval import evaluate_weights
 
@@ -27,7 +27,7 @@ def checkpoint_evaluate(*, run_id: int, checkpoint_step: int | None = None, limi
     if not run.reward_version.builtin_name:
         raise ApplicationError("offline evaluation of user-code rewards runs in the sandbox: "
                                "not supported yet", field="reward_version")
-    spec = spec_from_dict(run.spec)
+    spec = run_spec_resolved(run=run)
     run_dir = flow_run_dir(run.id)
     weights = dict(pushed_weights(run_dir))
     if not weights:

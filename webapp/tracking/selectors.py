@@ -18,6 +18,7 @@ from django.db.models import Max, Sum
 
 from training_core import metric_names as M
 from webapp.runs.models import Run
+from webapp.runs.selectors import run_spec_resolved
 from webapp.tracking.models import (
     ROLLUP_LEVELS,
     Checkpoint,
@@ -52,7 +53,7 @@ def run_glance(*, run: Run, latest: dict[str, float]) -> dict[str, Any]:
                  .values_list("value", flat=True).first())
         if value is not None:
             first[key] = value
-    total = (run.spec or {}).get("trainer", {}).get("steps")
+    total = run_spec_resolved(run=run).trainer.steps  # the schema's default where unset
     return {"step": run_last_step(run=run), "total": total, "latest": latest, "first": first}
 
 

@@ -24,7 +24,8 @@ module "pool" {
   checkpoint_run_key      = "run-${var.run_id}"
   ssh_allowed_cidrs       = var.ssh_allowed_cidrs
   # Its own range per run (10.100.0.0/16 .. 10.249.0.0/16): runs peered with the same control
-  # plane at once must not overlap there.
+  # plane at once must not overlap there. The spec refuses a control plane inside it:
+  # training_core/config.py RUN_VPC_OCTETS, checked equal by tests/infra/test_terraform.py.
   vpc_cidr                      = "10.${100 + var.run_id % 150}.0.0/16"
   control_plane_vpc_id          = var.control_plane_vpc_id
   control_plane_vpc_cidr        = var.control_plane_vpc_cidr

@@ -41,7 +41,6 @@ from orchestration.trigger import flow_run_dir
 from training_core.checkpoint_store import STORE_ENV, CheckpointStore
 from training_core.config import RunSpec, dump_spec
 from training_core.launch import (
-    NODE_ADDRESS_ENV,
     check_nccl,
     run_env,
     server_command,
@@ -51,7 +50,7 @@ from training_core.launch import (
     trainer_command,
 )
 from training_core.models.paths import run_model_dir
-from training_core.ports import free_port
+from training_core.ports import NODE_ADDRESS_ENV, free_port
 from training_core.processes import ManagedProcess
 from training_core.remote_run import prepare_remote_run
 from training_core.transport.server_auth import derive_server_key

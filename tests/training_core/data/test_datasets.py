@@ -157,3 +157,43 @@ def test_a_file_with_duplicate_questions_splits_by_question(tmp_path):
     assert not set(asked) & trained and len(trained) == 25
     assert len(data.train) == 75  # every copy of the 25 others is trained on
     assert data.overlap == {"heldout": 0.0}
+
+
+def test_a_tiny_training_draw_keeps_its_eval_set():
+    # One training row, 20 eval questions from a large space: none of them is in the pool, so
+    # the fifth-of-the-pool rule takes nothing away (benchmarks/learning.py's scan draws so).
+    data = load_data(DataSpec(size=1, eval_size=20), seed=0)
+    assert len(data.eval) == 20 and len(data.train) == 1 and data.overlap["heldout"] == 0.0
+
+
+def test_the_warm_start_never_sees_the_rl_runs_eval_questions(tmp_path):
+    from training_core.data.datasets import question_key, warm_start_rows
+
+    path = _write_jsonl(tmp_path / "d.jsonl",
+                        [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(50)])
+    for spec in (DataSpec(options={"max_value": 9}, size=5_000, eval_size=10),
+                 DataSpec(source=f"jsonl:{path}", eval_size=10)):
+        asked = {question_key(r["question"]) for r in load_data(spec, seed=4).eval}
+        rows = warm_start_rows(spec, seed=4)
+        assert asked and rows and not asked & {question_key(r["question"]) for r in rows}
+
+
+def test_trained_questions_measure_what_training_batches_held():
+    from training_core.data.datasets import TrainedQuestions
+
+    # In-sample on purpose: the eval questions stay in the pool, so batches come to hold them.
+    data = load_data(DataSpec(options={"max_value": 9}, size=2_000, eval_size=10,
+                              allow_eval_overlap=True), seed=0)
+    seen = TrainedQuestions(data.train, seed=0)
+    assert seen.fraction(data.eval) == 0.0
+    seen.add(list(range(2_000)) + [-1])  # an epoch of the pool; -1: a group without a prompt
+    assert seen.fraction(data.eval) == 1.0
+    # The stream index maps to the row the run's own loader hands out.
+    loader = PromptLoader(data.train, seed=0)
+    one = TrainedQuestions(data.train, seed=0)
+    one.add([5])
+    assert one.fraction([loader.row(5)]) == 1.0
+    held = load_data(DataSpec(options={"max_value": 9}, size=2_000, eval_size=10), seed=0)
+    everything = TrainedQuestions(held.train, seed=0)
+    everything.add(list(range(4_000)))
+    assert everything.fraction(held.eval) == 0.0

@@ -316,7 +316,7 @@ def _cached(slots, which: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("outcome", ["as_timed", "won_1_and_64", "won_none"])
 def test_a_measured_projection_kernel_decodes_only_at_the_batches_it_won(tiny_model_dir, monkeypatch,
-                                                                         outcome):
+                                                                         outcome, tmp_path):
     """Left to choose (OOLONG_AVX512_LINEAR unset), the decoder times the AVX-512 (AVX2) kernel against
     oneDNN's on its own weights; it then decodes on the kernel exactly at the batch sizes it won,
     and keeps no copy of the weights for it where it won none. The timing's outcome as it comes
@@ -352,8 +352,14 @@ def test_a_measured_projection_kernel_decodes_only_at_the_batches_it_won(tiny_mo
                 if outcome == "won_1_and_64" else None)
 
     monkeypatch.setattr(cpu_kernels, "measured", measured)
+    monkeypatch.setattr(cpu_kernels, "choices_file", lambda: tmp_path / "choices.json")
     dec = fused_decode.FusedDecoder(lm)
     assert timed == [offered.name]
+    # recorded: a second decoder of this machine takes the same choice without timing again
+    again = fused_decode.FusedDecoder(lm)
+    assert timed == [offered.name]
+    assert (again._proj is None) == (dec._proj is None)
+    assert again._proj is None or (again._proj.name, again._proj.won) == (dec._proj.name, dec._proj.won)
     if outcome == "won_none":
         assert dec._proj is None
     if dec._proj is None:

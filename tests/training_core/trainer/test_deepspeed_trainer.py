@@ -134,19 +134,6 @@ def test_dropout_is_off_so_the_first_ratio_is_exactly_one(tiny_model_dir, tmp_pa
     assert all(getattr(m, "attention_dropout", 0.0) == 0.0 for m in module.modules())
 
 
-def test_rows_needing_proximal_are_exactly_the_stale_ones():
-    from training_core.staleness import rows_needing_proximal
-
-    # Row 0: every output token from version 3 (the current one); row 1: one token from 2;
-    # row 2: prompt tokens (version -1, outside the loss mask) only older; row 3: all from 1.
-    versions = torch.tensor([[-1, -1, 3, 3], [-1, -1, 2, 3], [-1, -1, 3, 3], [-1, -1, 1, 1]])
-    mask = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1]])
-    assert rows_needing_proximal(versions, mask, 3, "stale") == [1, 3]
-    assert rows_needing_proximal(versions, mask, 3, "always") == [0, 1, 2, 3]
-    assert rows_needing_proximal(versions, mask, 3, "never") == []
-    assert rows_needing_proximal(versions, mask, 4, "stale") == [0, 1, 2, 3]
-
-
 def test_proximal_pass_recomputes_stale_rows_and_keeps_fresh_ones(trainer):
     """Fresh rows keep their behaviour logprobs (the server's logprobs equal a trainer forward in
     the same dtype: test_embedded_server.py::test_logprobs_match_a_full_forward_pass); stale rows
