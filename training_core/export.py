@@ -240,7 +240,8 @@ def export_version(run_dir: str | Path, version: int | str, out: str | Path, *,
     """Write ``version`` of the run in ``run_dir`` to the new folder ``out`` (see the module
     doc). ``evaluations`` (version -> metrics) replaces metrics.jsonl's where the caller holds
     the record (the web app's tracker); ``lineage`` adds what the run directory does not know."""
-    from training_core.models.loading import DTYPES, load_model, load_tokenizer
+    from training_core.dtypes import precision, torch_dtype
+    from training_core.models.loading import load_model, load_tokenizer
     from training_core.models.paths import run_model_dir
 
     run_dir, out = Path(run_dir), Path(out)
@@ -256,7 +257,9 @@ def export_version(run_dir: str | Path, version: int | str, out: str | Path, *,
     source = sources[v]
     model_dir = run_model_dir(spec, run_dir)
 
-    model = load_model(model_dir, "float32")
+    # Loaded as the trainer holds its weights (a bf16 run: fp32 masters), then cast to the
+    # served dtype: the exact values the servers held.
+    model = load_model(model_dir, precision(spec.model.dtype).trainer_weights)
     state = load_state(source)
     if state is not None:
         missing, unexpected = model.load_state_dict(state, strict=False)
@@ -267,7 +270,7 @@ def export_version(run_dir: str | Path, version: int | str, out: str | Path, *,
                               f"{sorted(unexpected)[:5]}", field="version")
         if tied:
             model.tie_weights()
-    model = model.to(DTYPES[spec.model.dtype])  # what the servers served (bf16 runs: bf16)
+    model = model.to(torch_dtype(spec.model.dtype))
     model.config.use_cache = True
 
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
