@@ -33,7 +33,7 @@ One switch, and torch's path is the reference. The kernels, oneDNN's prepacked w
 (packed_linear.py) and the fused decode step (fused_decode.py) are an optional accelerator for
 CPUs: ``OOLONG_CPU_KERNELS=0`` (:func:`enabled`) turns all of them off, and the engine decodes
 through transformers' forward with torch's operators, the path every accelerated one is tested
-against (tests/training_core/test_kernel_paths.py: each projection kernel this machine has).
+against (tests/training_core/rollout_server/test_kernel_paths.py: each projection kernel this machine has).
 The finer switches (``OOLONG_AMX``, ``OOLONG_AVX512_LINEAR``, ``OOLONG_AVX2_LINEAR``,
 ``OOLONG_FUSED_DECODE``) only narrow what that one allows.
 
