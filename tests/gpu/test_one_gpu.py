@@ -113,8 +113,11 @@ def test_bf16_trainer_and_embedded_server_share_the_gpu_through_async_steps(tmp_
     for r in rows:
         assert all(math.isfinite(r[k]) for k in MISMATCH.ALL), r
         # The server samples with bf16 weights, the trainer computes under bf16 autocast from
-        # fp32 masters: close, not equal. Bounds well above bf16's rounding (KL ~1e-3) and well
-        # below a real disagreement (wrong weights or dtype: KL of order 1).
-        assert 0 <= r[MISMATCH.kl_k3] < 0.05, r
-        assert r[MISMATCH.ess] > 0.8, r
+        # fp32 masters: close, not equal. On CPU this pair reads k3 up to ~0.1 on SmolLM2 at
+        # T = 1 (benchmarks/gpu_check.py's task, 2026-11-28); a server on other weights or in
+        # another dtype reads k3 of order 1 and an ESS far below 1. No GPU has run this yet:
+        # bounds with room, to be tightened from the first GPU run (docs/gpu-check.md).
+        assert 0 <= r[MISMATCH.kl_k3] < 0.2, r
+        assert r[MISMATCH.ess] > 0.5, r
+        assert 0.5 < r[MISMATCH.weight_mean] < 2.0, r
         assert r[TOKENS_PER_S] > 0 and r[WEIGHT_SYNC_PAUSE_S] >= 0
