@@ -159,3 +159,26 @@ def test_the_spec_field_defaults_off_and_reaches_the_launchers_estimate():
     on = gpu_memory.activation_bytes(size, tokens=4096, dtype="bfloat16", checkpointing=True)
     off = gpu_memory.activation_bytes(size, tokens=4096, dtype="bfloat16", checkpointing=False)
     assert on < off / 3
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_chunks_make_the_same_update_under_zero(tiny_model_dir, stage):
+    """The chunks' projections run outside the model's forward (ZeRO-3 gathers lm_head for each
+    call, also in the backward's recompute) and the backward starts from the hooks DeepSpeed put
+    on the forward's output: the update must still be the full-logits one."""
+    b = _batch(_rows(seed=6), seed=6)
+    loss_fn = lambda *a, **k: decoupled_ppo_loss(*a, cfg=PRESETS["grpo"], **k)  # noqa: E731
+    results = []
+    for chunk in (None, CHUNK):
+        t = DeepSpeedTrainer(tiny_model_dir, lr=1e-3, weight_decay=0.0, grad_clip=1e9,
+                             zero_stage=stage, logit_chunk_tokens=chunk)
+        stats = t.train_step(b, t.logprobs(b), loss_fn)
+        results.append((stats, {k: v.clone() for k, v in t.weights().items()}))
+    (plain, w0), (chunked, w1) = results
+    assert chunked["loss"] == pytest.approx(plain["loss"], abs=1e-7)
+    assert chunked["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+    assert plain["grad_norm"] > 0
+    for name in w0:
+        diff = (w1[name] - w0[name]).abs()
+        assert float(diff.max()) <= 2e-3, name
+        assert int((diff > 1e-6).sum()) <= max(1, diff.numel() // 1000), name
