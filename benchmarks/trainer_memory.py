@@ -46,13 +46,13 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _batch(rows: int, length: int, prompt: int, seed: int):
+def _batch(rows: int, length: int, prompt: int, seed: int, vocab: int):
     import torch
 
     from training_core.api import PROMPT_VERSION, TrainBatch
 
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(10, 49_000, (rows, length), generator=g)
+    ids = torch.randint(10, min(49_000, vocab), (rows, length), generator=g)
     versions = torch.zeros(rows, length, dtype=torch.long)
     versions[:, :prompt] = PROMPT_VERSION
     mask = (versions != PROMPT_VERSION).float()
@@ -61,8 +61,8 @@ def _batch(rows: int, length: int, prompt: int, seed: int):
     return TrainBatch(ids, torch.ones(rows, length, dtype=torch.long), mask, behav, versions, adv)
 
 
-def measure(name: str, row_tokens: int) -> dict:
-    """One configuration, in this process (``--one``)."""
+def measure(name: str, row_tokens: int, model: str = "smollm2") -> dict:
+    """One configuration, in this process (``--one``; the high-water mark is the process's)."""
     import torch
 
     from training_core.algorithms.loss import decoupled_ppo_loss
@@ -72,12 +72,14 @@ def measure(name: str, row_tokens: int) -> dict:
 
     chunk, checkpointing = CONFIGS[name]
     torch.manual_seed(0)
-    trainer = DeepSpeedTrainer(resolve_model_dir("smollm2"), lr=1e-6, weight_decay=0.0,
+    trainer = DeepSpeedTrainer(resolve_model_dir(model), lr=1e-6, weight_decay=0.0,
                                grad_clip=1.0, zero_stage=0, micro_batch_tokens=8 * row_tokens,
                                activation_checkpointing=checkpointing, logit_chunk_tokens=chunk)
     loss_fn = lambda *a, **k: decoupled_ppo_loss(*a, cfg=PRESETS["grpo"], **k)  # noqa: E731
-    trainer.train_step(_batch(2, 16, 4, seed=1), None, loss_fn)  # Adam's states exist from here
-    batch = _batch(8, row_tokens, 64, seed=2)
+    vocab = trainer.engine.module.config.vocab_size
+    # A small first step: Adam's states exist from here, as in every step after a run's first.
+    trainer.train_step(_batch(2, 16, 4, seed=1, vocab=vocab), None, loss_fn)
+    batch = _batch(8, row_tokens, min(64, row_tokens // 2), seed=2, vocab=vocab)
     before_kb = _status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts from here
     start = time.perf_counter()
@@ -89,6 +91,13 @@ def measure(name: str, row_tokens: int) -> dict:
             "tokens": int(batch.loss_mask.sum()), "loss": stats["loss"],
             "grad_norm": stats["grad_norm"], "logit_chunk_tokens": chunk,
             "activation_checkpointing": checkpointing}
+
+
+def report(configs: dict[str, dict], **about) -> dict:
+    """The JSON: each configuration's figures and its step peak against the baseline's."""
+    base = configs[BASELINE]["peak_step_bytes"]
+    return {**about, "configs": configs,
+            "ratios": {n: r["peak_step_bytes"] / base for n, r in configs.items()}}
 
 
 def main() -> None:
@@ -106,8 +115,7 @@ def main() -> None:
     names = args.configs.split(",")
     if BASELINE not in names:
         names.insert(0, BASELINE)
-    result: dict = {"model": "smollm2", "tokens": 8 * row_tokens, "rows": 8,
-                    "threads": int(os.environ["OMP_NUM_THREADS"]), "configs": {}}
+    configs: dict[str, dict] = {}
     for name in names:
         run = subprocess.run([sys.executable, __file__, "--one", name, "--row-tokens",
                               str(row_tokens)], cwd=ROOT, capture_output=True, text=True,
@@ -115,12 +123,12 @@ def main() -> None:
         if run.returncode != 0:
             raise SystemExit(f"{name} failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
         r = json.loads(run.stdout.strip().splitlines()[-1])
-        result["configs"][name] = r
+        configs[name] = r
         print(f"{name:22s} step peak {r['peak_step_bytes'] / 2**20:8.0f} MiB  "
               f"(resident {r['peak_rss_bytes'] / 2**20:.0f} MiB)  step {r['step_s']:.1f} s  "
               f"loss {r['loss']:.6f}", flush=True)
-    base = result["configs"][BASELINE]["peak_step_bytes"]
-    result["ratios"] = {n: r["peak_step_bytes"] / base for n, r in result["configs"].items()}
+    result = report(configs, model="smollm2", tokens=8 * row_tokens, rows=8,
+                    threads=int(os.environ["OMP_NUM_THREADS"]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
