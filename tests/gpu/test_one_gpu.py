@@ -7,6 +7,7 @@ test_trainer_memory.py); skipped without CUDA."""
 from __future__ import annotations
 
 import math
+import secrets
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ from tests.gpu.gpus import needs_gpus, smollm2_dir
 from training_core.config import load_spec
 from training_core.metric_names import MISMATCH, TOKENS_PER_S, WEIGHT_SYNC_PAUSE_S
 from training_core.metrics import read_metrics
+from training_core.transport.server_auth import SERVER_KEY_ENV
 
 pytestmark = needs_gpus(1)
 
@@ -84,18 +86,20 @@ def test_bf16_trainer_and_embedded_server_share_the_gpu_through_async_steps(tmp_
         "rollout.group_size=4", "trainer.batch_groups=2", "rollout.max_new_tokens=24",
         "data.chat_template=true", "data.prompt_template='What is {question}?'",
         "data.options={max_value: 9}", "trainer.lr=1e-6", "eval.every=0", "checkpoint.every=0",
-        "reward.fn=tests.training_core.rewards_for_tests:length_reward",
-        "reward.executor=inline"])
+        "reward.fn=builtin:numeric", "reward.executor=inline"])
     infos: list[tuple[dict, dict]] = []
     real_stop = processes.Fleet.stop
+    key = secrets.token_hex(32)  # the run's server key (else one the test could not know)
+    auth = {"Authorization": f"Bearer {key}"}
 
     def stop_after_asking(fleet):  # the servers' own word, just before the run stops them
         for url in fleet.urls:
-            infos.append((httpx.get(url + "/server_info", timeout=30).json(),
-                          httpx.get(url + "/model_info", timeout=30).json()))
+            infos.append((httpx.get(url + "/server_info", headers=auth, timeout=30).json(),
+                          httpx.get(url + "/model_info", headers=auth, timeout=30).json()))
         real_stop(fleet)
 
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SERVER_KEY_ENV, key)
         mp.setattr(processes.Fleet, "stop", stop_after_asking)
         result = train(spec, progress=False)
     assert torch.cuda.max_memory_allocated() > 0, "the trainer ran on the GPU"

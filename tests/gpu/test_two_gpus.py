@@ -53,7 +53,8 @@ def test_two_ranks_push_over_nccl_to_a_server_on_another_gpu(tmp_path):
              "rollout.group_size=2", "rollout.max_new_tokens=16", "rollout.max_staleness=1",
              "data.chat_template=true", "data.prompt_template='What is {question}?'",
              "trainer.lr=1e-5", "eval.every=0", "checkpoint.every=3",
-             "reward.fn=tests.training_core.rewards_for_tests:length_reward"],
+             # inline and built in: the reward jail (namespaces, seccomp) is not a GPU question
+             "reward.fn=builtin:numeric", "reward.executor=inline"],
             cwd=ROOT, env=child_env(CUDA_VISIBLE_DEVICES="0,1"), capture_output=True,
             text=True, timeout=480)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
