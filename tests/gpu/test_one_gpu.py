@@ -65,8 +65,11 @@ def test_chunked_logprobs_match_the_full_logits_on_cuda(dtype):
     torch.testing.assert_close(out[1][generated], out[0][generated], atol=atol, rtol=0)
     if dtype == "bfloat16":
         assert float((out[1] - out[0])[generated].abs().mean()) < 0.01
-    torch.testing.assert_close(grads[1], grads[0], atol=1e-3 if dtype == "float32" else 5e-2,
-                               rtol=1e-2)
+    if dtype == "float32":
+        torch.testing.assert_close(grads[1], grads[0], atol=1e-3, rtol=1e-2)
+    else:  # each chunk's weight gradient is rounded to bf16 before they are summed
+        error = float((grads[1] - grads[0]).norm() / grads[0].norm())
+        assert error < 2e-2, error
     # The full path holds 1792 x 49152 fp32 logits (352 MB) and its softmax across the
     # backward; a chunk is 256 rows.
     assert peaks[1] < peaks[0] - 300 * 2**20, peaks
