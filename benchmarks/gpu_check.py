@@ -142,9 +142,13 @@ def run_trl(steps: int, seed: int, work: Path) -> dict[str, Any]:
 
 def _side(side: str, steps: int, seed: int, work: Path, timeout_s: float) -> dict[str, Any]:
     result = work / f"{side}.json"
-    run = subprocess.run([sys.executable, __file__, "--side", side, "--steps", str(steps),
-                          "--seed", str(seed), "--work-dir", str(work), "--result", str(result)],
-                         cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
+    try:
+        run = subprocess.run([sys.executable, __file__, "--side", side, "--steps", str(steps),
+                              "--seed", str(seed), "--work-dir", str(work), "--result",
+                              str(result)], cwd=ROOT, timeout=timeout_s, capture_output=True,
+                             text=True)
+    except subprocess.TimeoutExpired as exc:  # the report still says what finished
+        return {"error": f"no result within {timeout_s:.0f} s: {str(exc.stderr)[-2000:]}"}
     if run.returncode != 0:
         return {"error": f"exit {run.returncode}: {run.stderr[-3000:]}"}
     return json.loads(result.read_text())
