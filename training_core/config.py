@@ -369,6 +369,10 @@ class TrainerSpec(_Section):
         "(a group whose samples all got the same reward) and no KL term, or dropped as too "
         "stale. Exact: they still count in the token mean. Off: every sample is computed"))
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
+    activation_checkpointing: bool = Field(False, description=(
+        "keep only each decoder layer's input in the forward and recompute the layer in the "
+        "backward: activations of one layer instead of all, for about a third more compute per "
+        "update (docs/engine.md, 'Trainer memory')"))
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="the trainer's collective backend; auto: nccl on GPUs, else gloo")
     recompute_proximal: ProximalSetting = Field(

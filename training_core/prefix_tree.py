@@ -23,16 +23,28 @@ quadratically more in attention and mask memory, while a narrower one shares les
 
 The embedded server's prefill uses the same forest (:func:`prefill_forest`): sequences joining
 its decode batch, each distinct prefix computed once, with no padding.
+
+Logits in chunks: the full ``[T, V]`` fp32 logits of a micro-batch are 5 GB at 8k tokens and a
+152k vocabulary (THUDM/slime#2253), and autograd would keep them until the backward. So the
+forward stops at the hidden states (the model runs with its output projection set aside), and
+the logprob of each token is computed from them through the projection ``chunk_tokens`` rows at
+a time; with a gradient and more than one chunk, each chunk is recomputed in the backward
+(``torch.utils.checkpoint``) instead of kept. At most one chunk's logits exist at once: the same
+numbers (the rows are the same dot products), one more projection per chunk in the backward.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from training_core.api import PROMPT_VERSION
+from training_core.gpu_memory import LOGIT_CHUNK_TOKENS
 
 log = logging.getLogger("oolong.trainer")
 
@@ -41,6 +53,11 @@ ROW_CAP = 4096
 # Attention implementations that take a prepared 4D mask; others run the rows whole.
 MASKED_ATTENTION = ("sdpa", "eager")
 FULL, SLIDING = "full_attention", "sliding_attention"
+# Model families whose causal-LM forward is ``lm_head(hidden)`` and nothing after (read in
+# transformers' modeling files): the chunked path computes exactly that. Others (Gemma 2's soft
+# cap, Cohere's and Granite's logit scales) take the full logits.
+PLAIN_HEAD_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe",
+                               "phi3", "gemma", "olmo2", "smollm3"})
 
 
 class UnsupportedAttention(ValueError):
@@ -86,13 +103,81 @@ def generation_starts(attention_mask: torch.Tensor, versions: torch.Tensor) -> t
 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      temperature: float | torch.Tensor) -> torch.Tensor:
+                      temperature: float | torch.Tensor,
+                      chunk_tokens: int | None = LOGIT_CHUNK_TOKENS) -> torch.Tensor:
     """logp[:, t] = log pi(input_ids[:, t] | input_ids[:, :t]); column 0 is 0. Every row whole.
-    ``temperature``: one, or one per predicted token ([N, L - 1, 1])."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logits = logits[:, :-1].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    ``temperature``: one, or one per predicted token ([N, L - 1, 1]). ``chunk_tokens``: logits
+    of at most that many tokens at once (module doc); None: the full logits, the reference."""
+    targets = input_ids[:, 1:]
+    head = output_head(model) if chunk_tokens else None
+    if head is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        logits = logits[:, :-1].float() / temperature
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    else:
+        with _without_head(model, head):
+            hidden = model(input_ids=input_ids, attention_mask=attention_mask,
+                           use_cache=False).logits
+        n, length = targets.shape
+        temps = temperature.reshape(-1, 1) if isinstance(temperature, torch.Tensor) else temperature
+        logp = chunked_logprobs(head, hidden[:, :-1].reshape(n * length, -1),
+                                targets.reshape(-1), temps, chunk_tokens).view(n, length)
     return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's output projection when its logits are that projection of the last hidden
+    states and nothing more (:data:`PLAIN_HEAD_MODELS`); None otherwise."""
+    net = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    config = getattr(net, "config", None)
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODELS:
+        return None
+    get = getattr(net, "get_output_embeddings", None)
+    return get() if get is not None else None
+
+
+@contextmanager
+def _without_head(model: torch.nn.Module, head: torch.nn.Module) -> Iterator[None]:
+    """The model's forward with its output projection set aside: ``.logits`` are then the last
+    hidden states. The forward still goes through the model (a DeepSpeed engine's forward
+    registers the hooks its ZeRO backward starts from, on the output)."""
+    net = getattr(model, "module", model)
+    name = next(n for n, m in net.named_modules() if m is head)
+    parent_name, _, attr = name.rpartition(".")
+    parent = net.get_submodule(parent_name) if parent_name else net
+    setattr(parent, attr, torch.nn.Identity())
+    try:
+        yield
+    finally:
+        setattr(parent, attr, head)
+
+
+def _picked_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                     temperature: float | torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def chunked_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                     temperature: float | torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """log_softmax(head(hidden) / temperature)[k, targets[k]] for the K rows of ``hidden``
+    ([K, H]), ``chunk_tokens`` rows of logits at a time. ``temperature``: one, or one per row
+    ([K, 1]). With a gradient and several chunks each chunk's logits are recomputed in the
+    backward, so none is kept from the forward."""
+    count = hidden.shape[0]
+    keep = not (torch.is_grad_enabled() and hidden.requires_grad and count > chunk_tokens)
+    parts = []
+    for start in range(0, count, chunk_tokens):
+        rows = slice(start, start + chunk_tokens)
+        temp = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
+        if keep:
+            parts.append(_picked_logprobs(head, hidden[rows], targets[rows], temp))
+        else:
+            parts.append(checkpoint(_picked_logprobs, head, hidden[rows], targets[rows], temp,
+                                    use_reentrant=False))
+    if not parts:
+        return hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat(parts)
 
 
 def prefix_micro_batches(input_ids: torch.Tensor, lengths: list[int],
@@ -326,13 +411,15 @@ _LOGGED: set[str] = set()
 
 def prefix_tree_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
                          attention_mask: torch.Tensor, versions: torch.Tensor,
-                         temperature: float) -> torch.Tensor:
+                         temperature: float,
+                         chunk_tokens: int | None = LOGIT_CHUNK_TOKENS) -> torch.Tensor:
     """:func:`sequence_logprobs` at the generated tokens, each distinct prefix computed once.
     Columns before a row's first generated token are 0 (the loss never reads them). Models whose
-    attention takes no prepared mask (flash-attention kernels) run the rows whole."""
+    attention takes no prepared mask (flash-attention kernels) run the rows whole.
+    ``chunk_tokens``: as in :func:`sequence_logprobs`."""
     config = getattr(model, "module", model).config  # a DeepSpeed engine wraps the model
     if not shares_prefixes(config):
-        return sequence_logprobs(model, input_ids, attention_mask, temperature)
+        return sequence_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens)
     n, width = input_ids.shape
     device = input_ids.device
     forest = build_forest(input_ids.cpu(), attention_mask.cpu(), versions.cpu())
@@ -348,11 +435,20 @@ def prefix_tree_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
 
         masks = ({k: additive(m) for k, m in masks.items()} if isinstance(masks, dict)
                  else additive(masks))
-    logits = model(input_ids=forest.input_ids.to(device), position_ids=depths,
-                   attention_mask=masks, use_cache=False).logits
-    picked = logits.reshape(-1, logits.shape[-1]).index_select(0, forest.parents.to(device))
-    node_logp = torch.log_softmax(picked.float() / temperature, dim=-1).gather(
-        -1, forest.targets.to(device).unsqueeze(-1)).squeeze(-1)
+    inputs = {"input_ids": forest.input_ids.to(device), "position_ids": depths,
+              "attention_mask": masks, "use_cache": False}
+    parents, targets = forest.parents.to(device), forest.targets.to(device)
+    head = output_head(model) if chunk_tokens else None
+    if head is None:
+        logits = model(**inputs).logits
+        picked = logits.reshape(-1, logits.shape[-1]).index_select(0, parents)
+        node_logp = torch.log_softmax(picked.float() / temperature, dim=-1).gather(
+            -1, targets.unsqueeze(-1)).squeeze(-1)
+    else:
+        with _without_head(model, head):
+            hidden = model(**inputs).logits
+        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, parents)
+        node_logp = chunked_logprobs(head, picked, targets, temperature, chunk_tokens)
     out = torch.zeros(n, width, dtype=node_logp.dtype, device=device)
     return out.index_put((forest.rows.to(device), forest.cols.to(device)),
                          node_logp[forest.pick.to(device)])

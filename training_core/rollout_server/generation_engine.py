@@ -311,7 +311,7 @@ class GenerationEngine:
                     "paused": self._paused, "tokens_generated": self.tokens_generated,
                     "steps": self.steps, "weight_version": self.weight_version,
                     "threads": self.threads, "busy_s": self.busy_s, "prefill_s": self.prefill_s,
-                    "dtype": self.dtype,
+                    "dtype": self.dtype, "device": str(self.device),
                     "prefill_tokens": self.prefix_cache.computed_tokens,
                     "cached_tokens": self.prefix_cache.cached_tokens,
                     "prefix_cache_bytes": self.prefix_cache.bytes}

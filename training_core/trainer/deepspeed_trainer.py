@@ -21,6 +21,7 @@ from training_core import world as world_
 from training_core.api import NonFiniteUpdate, TrainBatch
 from training_core.checkpoint import COMPLETE
 from training_core.dtypes import DEFAULT_DTYPE, precision, torch_dtype
+from training_core.gpu_memory import LOGIT_CHUNK_TOKENS
 from training_core.models.loading import load_model
 from training_core.optim import adamw, keep_fused
 from training_core.prefix_tree import (
@@ -69,7 +70,8 @@ class DeepSpeedTrainer:
     def __init__(self, model_dir: str | Path, *, lr: float, weight_decay: float, grad_clip: float,
                  zero_stage: int, dtype: str = DEFAULT_DTYPE, dist_backend: str = "auto",
                  temperature: float = 1.0, micro_batch_tokens: int = 8192, keep_reference: bool = False,
-                 share_prefixes: bool = True):
+                 share_prefixes: bool = True, activation_checkpointing: bool = False,
+                 logit_chunk_tokens: int | None = LOGIT_CHUNK_TOKENS):
         import deepspeed
 
         init_distributed(dist_backend)
@@ -79,6 +81,9 @@ class DeepSpeedTrainer:
         self.micro_batch_tokens = micro_batch_tokens
         self.zero_stage = zero_stage
         self.share_prefixes = share_prefixes
+        # Logits of at most this many tokens exist at once (prefix_tree's module doc); None:
+        # the full [T, V] logits (benchmarks/trainer_memory.py measures the difference).
+        self.logit_chunk_tokens = logit_chunk_tokens
         # bfloat16: fp32 master weights and optimizer, matmuls in bf16 under autocast
         # (DeepSpeed's torch_autocast mode; norms, softmax and the loss stay fp32). Weights held
         # in bf16 would lose updates smaller than 2^-8 of a weight: Adam's steps at RL learning
@@ -94,6 +99,18 @@ class DeepSpeedTrainer:
         # The proximal logprobs are computed in eval mode and the update in train mode: with
         # dropout on, the PPO ratio would not start at 1 (AReaL turns dropout off as well).
         disable_dropout(model)
+        if activation_checkpointing:
+            # Each decoder layer keeps only its input and recomputes the rest in the backward
+            # (about a third more compute for activations of one layer instead of all). Only in
+            # train mode: the no-grad logprob passes run eval and keep nothing anyway.
+            # Non-reentrant: it needs no input that requires grad and works under ZeRO-3.
+            # transformers renamed the call (the old name warns from 5.2x, goes in 6).
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.reference = None
         if keep_reference:  # frozen copy of the initial policy for KL-regularised presets
@@ -153,13 +170,15 @@ class DeepSpeedTrainer:
             temps = mb.temperatures.to(self.device)  # at the temperature it was sampled at
             temps = torch.where(temps > 0, temps, torch.full_like(temps, self.temperature))
             return sequence_logprobs(net, mb.input_ids.to(self.device),
-                                     mb.attention_mask.to(self.device), temps[:, 1:, None])
+                                     mb.attention_mask.to(self.device), temps[:, 1:, None],
+                                     self.logit_chunk_tokens)
         if self.share_prefixes:
             return prefix_tree_logprobs(net, mb.input_ids.to(self.device),
                                         mb.attention_mask.to(self.device), mb.versions,
-                                        self.temperature)
+                                        self.temperature, self.logit_chunk_tokens)
         return sequence_logprobs(net, mb.input_ids.to(self.device),
-                                 mb.attention_mask.to(self.device), self.temperature)
+                                 mb.attention_mask.to(self.device), self.temperature,
+                                 self.logit_chunk_tokens)
 
     def train_step(self, batch: TrainBatch, prox_logp: torch.Tensor | None,
                    loss_fn: Callable[..., Any], *, minibatches: int = 1,

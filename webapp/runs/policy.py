@@ -86,6 +86,9 @@ COSTLESS_FIELDS: dict[str, str] = {
     "reward.max_abs": "a bound itself (at most 1e12)",
     "trainer.lr": "a coefficient", "trainer.weight_decay": "a coefficient",
     "trainer.grad_clip": "a coefficient",
+    "trainer.activation_checkpointing": "a switch trading the run's own GPU memory for about a "
+                                        "third more compute per update, which the step and "
+                                        "batch limits already bound",
     "checkpoint.every": "steps between checkpoints: larger costs less",
     "eval.every": "steps between evals: larger costs less",
     "eval.k": "a statistic of the eval.samples already drawn (at most eval.samples)",

@@ -370,7 +370,9 @@ def test_the_server_runs_in_the_runs_dtype(tiny_model_dir, tmp_path):
     fleet = Fleet(urls=[url], servers=[proc])
     try:
         fleet.wait_healthy(120)
-        assert httpx.get(url + "/server_info").json()["dtype"] == "bfloat16"
+        info = httpx.get(url + "/server_info").json()
+        assert info["dtype"] == "bfloat16"
+        assert info["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # where it runs
         prompt = [20, 21, 22, 23]
         out = generate(url, prompt, max_new_tokens=12, temperature=1.0, ignore_eos=True)
     finally:
