@@ -474,15 +474,32 @@ class RolloutClient:
         name; the servers' ``weight_version`` becomes ``version`` (SGLang's
         ``/update_weight_version``, without aborting: the pause decides what happens to
         requests in flight)."""
-        results = await self._all("/load_lora_adapter", {"lora_name": name, "lora_path": path})
-        _check_all("load_lora_adapter", self.servers, results)
+        payload = {"lora_name": name, "lora_path": path}
+
+        async def load(server: _Server) -> dict:
+            try:
+                return await self._retrying(server, "/load_lora_adapter", payload)
+            except RolloutServerError as exc:
+                # A resumed run reloads its version under the same name: what the server holds
+                # under it may be a discarded future's, so the checkpoint's replaces it.
+                if exc.status != 400 or "already loaded" not in str(exc):
+                    raise
+            await self._retrying(server, "/unload_lora_adapter", {"lora_name": name})
+            return await self._retrying(server, "/load_lora_adapter", payload)
+
+        loaded = await asyncio.gather(*[load(s) for s in self.servers])
+        _check_all("load_lora_adapter", self.servers, loaded)
         results = await self._all("/update_weight_version", {"new_version": str(version),
                                                               "abort_all_requests": False})
         _check_all("update_weight_version", self.servers, results)
+        # The servers' own list (SGLang's loaded_adapters): a resumed run's client also learns
+        # the adapters an earlier trainer loaded, and unloads them in turn.
+        held = [n for r in results_of_load(loaded) for n in r]
         with self._adapter_lock:
             self.lora_name = name
-            if name not in self.loaded_adapters:
-                self.loaded_adapters.append(name)
+            for n in [*held, name]:
+                if n not in self.loaded_adapters:
+                    self.loaded_adapters.append(n)
         self._servers_current()
 
     async def unload_unused_adapters(self) -> list[str]:
@@ -672,6 +689,12 @@ def _parse_version(value: object, fallback: int) -> int:
         return int(str(value))
     except (TypeError, ValueError):
         return fallback
+
+
+def results_of_load(results: list[Any]) -> list[list[str]]:
+    """The adapter names each server reports loaded after a ``/load_lora_adapter``."""
+    return [list((r.get("loaded_adapters") or {}).keys()) if isinstance(r, dict) else []
+            for r in results]
 
 
 def _check_all(call: str, servers: list[_Server], results: list[Any]) -> None:
