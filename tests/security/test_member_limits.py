@@ -109,3 +109,15 @@ def test_administrators_are_not_held_to_member_limits(api, alice, project, datas
     alice.save()
     r = _create(api, project, dataset_version, reward_version, {"reward": {"memory_mb": 16_384}})
     assert r.status_code == 201, r.content
+
+
+def test_a_member_may_train_an_adapter_within_the_rank_limit(api, project, dataset_version,  # noqa: F811
+                                                             reward_version):  # noqa: F811
+    r = _create(api, project, dataset_version, reward_version,
+                {"model": {"lora": {"rank": 256, "target_modules": ["q_proj", "v_proj"]}}})
+    assert r.status_code == 201, r.content
+    # a bad adapter field is a 400 naming it
+    r = api.post("/api/runs/spec-check/", {"spec": {"model": {"lora": {"rank": 0}}}},
+                 format="json")
+    assert r.status_code == 200 and r.json()["valid"] is False
+    assert r.json()["errors"][0]["field"] == "spec.model.lora.rank"
