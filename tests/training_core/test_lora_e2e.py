@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 from safetensors.torch import load_file
 
 from tests.training_core.conftest import start_server
@@ -17,13 +18,17 @@ LORA = [*SMALL, "model.lora.rank=4", "model.lora.alpha=8", "trainer.lr=1e-2",
         "algorithm.preset=ppo_kl", "rollout.group_size=4", "eval.every=0", "checkpoint.every=1"]
 
 
-def test_a_lora_run_pushes_only_adapters_and_resumes(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("pause_mode", ["in_place", "abort"])
+def test_a_lora_run_pushes_only_adapters_and_resumes(tiny_model_dir, tmp_path, pause_mode):
+    """Both ways a push meets samples in flight: they go on under the new adapter (in_place),
+    or come back and are sent again naming it (abort); each token keeps its version."""
     from training_core.train import train
 
     fleet, url = start_server(tiny_model_dir, tmp_path / "server.log")
     run_dir = tmp_path / "run"
     try:
-        common = [*LORA, f"run_dir={run_dir}", f"rollout.server_urls=[{url}]"]
+        common = [*LORA, f"run_dir={run_dir}", f"rollout.server_urls=[{url}]",
+                  f"rollout.pause_mode={pause_mode}", "rollout.max_staleness=1"]
         train(load_spec(None, [*common, "trainer.steps=2"]), progress=False)
         resumed = train(load_spec(None, [*common, "trainer.steps=3"]), resume_dir=run_dir,
                         progress=False)
@@ -36,6 +41,7 @@ def test_a_lora_run_pushes_only_adapters_and_resumes(tiny_model_dir, tmp_path):
     steps = [r for r in read_metrics(run_dir) if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(r["tokens/consumed"] > 0 for r in steps)
+    assert all(r["staleness/max"] <= 1 for r in steps)
     # every pushed version is an adapter folder, nothing of the full model
     folders = sorted(p for p in (run_dir / "weights").glob("v*") if p.is_dir())
     assert folders, "no weights pushed"
