@@ -17,7 +17,9 @@ def pushed_weights(run_dir: str | Path) -> list[tuple[int, Path]]:
     """The weight folders pushed to the rollout servers, ``weights/v<version>``, oldest first."""
     found = []
     for d in (Path(run_dir) / "weights").glob("v*"):
-        if d.name[1:].isdigit() and (d / "model.safetensors").exists():
+        # full weights, or a LoRA adapter's folder (trainer/adapter.py: peft's file name)
+        if d.name[1:].isdigit() and ((d / "model.safetensors").exists()
+                                     or (d / "adapter_model.safetensors").exists()):
             found.append((int(d.name[1:]), d))
     return sorted(found)
 

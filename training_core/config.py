@@ -13,7 +13,7 @@ import difflib
 import re
 import string
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -44,6 +44,43 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# Llama/Qwen/Mistral-style names: every linear projection of attention and MLP (the usual
+# choice for RL: adapting attention only learns noticeably less, per the LoRA-for-RL ablations).
+LORA_TARGETS_DEFAULT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSpec(_Section):
+    """A LoRA adapter trained instead of the full weights (docs/lora.md). The base stays frozen:
+    the optimizer holds only the adapter, each update pushes only the adapter, and a KL
+    reference is the base with the adapter disabled (no second copy of the model)."""
+
+    rank: int = Field(16, ge=1, description="r: the adapter's rank (its size grows linearly)")
+    alpha: float = Field(32.0, gt=0, description=(
+        "the adapter's scale is alpha / rank; keep alpha / rank fixed when changing the rank"))
+    dropout: float = Field(0.0, ge=0, lt=1, description=(
+        "dropout on the adapter's input while training; above 0 the proximal logprobs take a "
+        "separate pass without it (the PPO ratio must start at 1)"))
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS_DEFAULT),
+                                      description=(
+        "names of the linear layers that get an adapter (module names' last part); the default "
+        "is every projection of a Llama/Qwen-style model"))
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets_named(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("name at least one linear layer, e.g. [q_proj, v_proj]; leave "
+                             "model.lora empty for full fine-tuning")
+        bad = [v for v in value if not _MODULE_NAME.fullmatch(v)]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not a module name (letters, digits, _ and dots, "
+                             "e.g. q_proj)")
+        return list(dict.fromkeys(value))
+
+
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+
+
 class ModelSpec(_Section):
     path: str = Field("tiny", description=(
         "the policy model: 'tiny' (a small Llama built from config with a character tokenizer; "
@@ -61,6 +98,9 @@ class ModelSpec(_Section):
     warm_start_steps: int = Field(0, ge=0, description=(
         "cap on the warm start's optimizer steps, for a warm start that does not depend on how "
         "busy the machine is; 0: bounded by warm_start_seconds only"))
+    lora: LoraSpec | None = Field(None, description=(
+        "train a LoRA adapter instead of every weight: {rank, alpha, dropout, target_modules} "
+        "(docs/lora.md); empty: full fine-tuning"))
 
 
 _FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -584,6 +624,17 @@ class RunSpec(_Section):
             raise ValueError(
                 f"rollout.group_size 1 gives algorithm.preset {self.algorithm.preset!r} no group "
                 "baseline (every advantage is 0): use group_size >= 2, or preset ppo_kl")
+        if self.model.lora is not None:
+            # Not built yet for adapters (docs/lora.md): say so instead of training the wrong thing.
+            if self.weight_sync != "disk":
+                raise ValueError("model.lora: adapters are pushed over weight_sync disk only so "
+                                 "far; set weight_sync: disk")
+            if self.rollout.backend != "embedded":
+                raise ValueError("model.lora: adapters are served by the embedded backend only so "
+                                 "far; set rollout.backend: embedded")
+            if self.trainer.zero_stage == 3:
+                raise ValueError("model.lora: trainer.zero_stage 3 is not supported with an "
+                                 "adapter (it is a few MB: use 0, 1 or 2)")
         return self
 
 
@@ -595,11 +646,14 @@ def _allowed_keys(model: type[BaseModel], path: tuple[str | int, ...]) -> list[s
     cls: Any = model
     for part in path[:-1]:
         field = cls.model_fields.get(part) if isinstance(part, str) else None
-        if field is None or not isinstance(field.annotation, type):
+        if field is None:
             return []
-        if not issubclass(field.annotation, BaseModel):
+        # An optional section (``LoraSpec | None``) names its keys as a plain one does.
+        found = [a for a in (field.annotation, *get_args(field.annotation))
+                 if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not found:
             return []
-        cls = field.annotation
+        cls = found[0]
     return list(cls.model_fields)
 
 

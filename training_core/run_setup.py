@@ -139,7 +139,8 @@ def build_run(spec: RunSpec, *, resume_dir: str | Path | None = None,
         dtype=spec.model.dtype, dist_backend=spec.trainer.dist_backend,
         temperature=spec.rollout.temperature, micro_batch_tokens=spec.trainer.micro_batch_tokens,
         keep_reference=algo.kl_coef > 0, share_prefixes=spec.trainer.share_prefixes,
-        activation_checkpointing=spec.trainer.activation_checkpointing)
+        activation_checkpointing=spec.trainer.activation_checkpointing,
+        lora=spec.model.lora)
     rank, world = rank_and_world()
     sync = make_weight_sync(spec.weight_sync, run_dir)
     resumed = restore(trainer, run_dir, sync) if resume_dir else None

@@ -46,31 +46,51 @@ def _describe(prop: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any] | No
     return out
 
 
-@lru_cache(maxsize=1)
-def _fields() -> tuple[dict[str, Any], ...]:
+@lru_cache(maxsize=2)
+def _fields(inside_optional: bool = False) -> tuple[dict[str, Any], ...]:
     schema = RunSpec.model_json_schema()
     defs = schema.get("$defs", {})
     defaults = RunSpec().model_dump(mode="json")
     found: list[dict[str, Any]] = []
 
-    def walk(node: dict[str, Any], prefix: str, default: dict[str, Any]) -> None:
+    def walk(node: dict[str, Any], prefix: str, default: dict[str, Any], within: str) -> None:
         for name, prop in node.get("properties", {}).items():
             path = f"{prefix}{name}"
             info = _describe(prop, defs)
             if info is None:
-                walk(_deref(prop.get("anyOf", [prop])[0], defs), path + ".", default.get(name, {}))
+                walk(_deref(prop.get("anyOf", [prop])[0], defs), path + ".",
+                     default.get(name, {}), within)
+                continue
+            section = _optional_section(prop, defs)
+            if inside_optional and section is not None:
+                walk(section, path + ".", default.get(name) or {}, path)
+            if inside_optional and not within:
                 continue
             found.append({"path": path, "section": prefix.split(".", 1)[0] or "run",
                           "name": name, "default": default.get(name),
-                          "description": prop.get("description", ""), **info})
+                          "description": prop.get("description", ""), **info,
+                          **({"within": within} if within else {})})
 
-    walk(schema, "", defaults)
+    walk(schema, "", defaults, "")
     return tuple(found)
+
+
+def _optional_section(prop: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any] | None:
+    """The schema of a section that may be left empty (``model.lora``), else None."""
+    options = [_deref(o, defs) for o in prop.get("anyOf", []) if o.get("type") != "null"]
+    return options[0] if len(options) == 1 and options[0].get("properties") else None
+
+
+def optional_section_fields() -> list[dict[str, Any]]:
+    """The fields inside sections that may be left empty (``model.lora.rank``; ``within`` names
+    the section). Not in :func:`spec_fields`: the form edits such a section as one mapping (a
+    default filled in for each of its fields would turn it on); member limits bound them."""
+    return [dict(f) for f in _fields(True)]
 
 
 def spec_fields() -> list[dict[str, Any]]:
     """Every settable field of the run spec, in schema order (a copy: callers may annotate)."""
-    return [dict(f) for f in _fields()]
+    return [dict(f) for f in _fields(False)]
 
 
 def spec_json_schema() -> dict[str, Any]:

@@ -41,12 +41,22 @@ def test_the_walk_finds_nested_and_new_fields(monkeypatch):
     assert policy.unbounded_member_fields() == ["rollout.agent.new_cost"]
 
 
+def test_fields_inside_an_optional_section_are_walked_too(monkeypatch):
+    """model.lora is empty by default (full fine-tuning), so its fields are not in the form's
+    list; the walk still finds them: without model.lora.rank's limit it would be unbounded."""
+    from webapp.runs import policy
+
+    monkeypatch.delitem(policy.MEMBER_LIMITS, "model.lora.rank")
+    assert policy.unbounded_member_fields() == ["model.lora.rank"]
+    assert policy.member_limit_errors({"model": {"lora": None}}) == []
+
+
 def test_every_limit_names_a_real_field_and_the_defaults_are_within():
     from training_core.config import RunSpec
-    from training_core.spec_fields import spec_fields
+    from training_core.spec_fields import optional_section_fields, spec_fields
     from webapp.runs.policy import COSTLESS_FIELDS, MEMBER_LIMITS, member_limit_errors
 
-    paths = {f["path"] for f in spec_fields()}
+    paths = {f["path"] for f in [*spec_fields(), *optional_section_fields()]}
     assert [p for p in MEMBER_LIMITS if p not in paths] == []
     assert [p for p in COSTLESS_FIELDS if not p.endswith(".*") and p not in paths] == []
     assert member_limit_errors(RunSpec().model_dump(mode="json")) == []
@@ -71,6 +81,7 @@ def _create(api, project, dataset_version, reward_version, spec):  # noqa: F811
     ({"orchestration": {"max_restarts": 10**6}}, "spec.orchestration.max_restarts", 3),
     ({"orchestration": {"max_server_restarts": 10**6}}, "spec.orchestration.max_server_restarts", 5),
     ({"model": {"warm_start_seconds": 10**9}}, "spec.model.warm_start_seconds", 3600),
+    ({"model": {"lora": {"rank": 4096}}}, "spec.model.lora.rank", 256),  # an optional section
 ])
 def test_a_member_over_a_limit_gets_a_403_naming_the_field(
         api, project, dataset_version, reward_version, spec, field, maximum):  # noqa: F811
@@ -98,3 +109,15 @@ def test_administrators_are_not_held_to_member_limits(api, alice, project, datas
     alice.save()
     r = _create(api, project, dataset_version, reward_version, {"reward": {"memory_mb": 16_384}})
     assert r.status_code == 201, r.content
+
+
+def test_a_member_may_train_an_adapter_within_the_rank_limit(api, project, dataset_version,  # noqa: F811
+                                                             reward_version):  # noqa: F811
+    r = _create(api, project, dataset_version, reward_version,
+                {"model": {"lora": {"rank": 256, "target_modules": ["q_proj", "v_proj"]}}})
+    assert r.status_code == 201, r.content
+    # a bad adapter field is a 400 naming it
+    r = api.post("/api/runs/spec-check/", {"spec": {"model": {"lora": {"rank": 0}}}},
+                 format="json")
+    assert r.status_code == 200 and r.json()["valid"] is False
+    assert r.json()["errors"][0]["field"] == "spec.model.lora.rank"

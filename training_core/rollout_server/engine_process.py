@@ -134,7 +134,8 @@ class _EngineHost:
 
     CALLS = ("pause", "resume", "update_weights_from_disk", "init_weights_update_group",
              "update_weights_from_distributed", "destroy_weights_update_group",
-             "get_weights_by_name", "stats", "abort_request", "flush_cache")
+             "get_weights_by_name", "stats", "abort_request", "flush_cache", "apply_adapter",
+             "set_weight_version")
 
     def __init__(self, engine: GenerationEngine, link: _Link):
         self.engine, self.link = engine, link
@@ -214,6 +215,12 @@ class _EngineHost:
             return {"success": False, "message": f"no group {group_name!r}"}
         destroy_weight_update_group(group)
         return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def _apply_adapter(self, path: str | None) -> dict:
+        return self.engine.apply_adapter(path)
+
+    def _set_weight_version(self, version: str, abort_first: bool) -> dict:
+        return self.engine.set_weight_version(version, abort_first=abort_first)
 
     def _get_weights_by_name(self, name: str, truncate_size: int) -> list | None:
         # A read between decode steps would race the engine thread only while weights load,

@@ -58,6 +58,7 @@ from training_core.dtypes import DEFAULT_DTYPE, torch_dtype
 from training_core.prefix_tree import layer_masks, sliding_window
 from training_core.rollout_server import cpu_kernels
 from training_core.rollout_server.fused_decode import FUSED_DECODE_ENV, FusedDecoder, supports
+from training_core.rollout_server.lora import AdapterError
 from training_core.rollout_server.packed_linear import can_pack, pack_linears, repack
 from training_core.rollout_server.prefix_cache import PrefixCache, row_kv
 from training_core.rollout_server.prefix_cache import prefill as prefix_prefill
@@ -144,6 +145,8 @@ class GenerationEngine:
         # Shared locks on the weight files the parameters map (weight_files: a writer must not
         # overwrite them while they serve)
         self._held: weight_files.Held | None = None
+        # The base weights of the layers a LoRA adapter changed (apply_adapter merges onto them)
+        self._lora_base: dict[str, torch.Tensor] = {}
         self._stop = False
         self._last_arrival = 0.0
         self.threads = torch.get_num_threads()  # what the engine thread decodes with
@@ -250,6 +253,28 @@ class GenerationEngine:
 
         return self._weight_update(_WeightRequest(read, version, abort_first, path, model_path=path,
                                                   flush_cache=flush_cache))
+
+    def apply_adapter(self, path: str | None) -> dict:
+        """Serve the base weights merged with the LoRA adapter in ``path`` (None: the base
+        alone); rollout_server/lora.py says why merged. Like an update with ``flush_cache``
+        false: requests paused in place go on under the new weights."""
+        from training_core.rollout_server import lora
+
+        def read() -> tuple[dict[str, torch.Tensor], None]:  # on the engine thread
+            own = self.model.state_dict()
+            deltas = lora.read_deltas(path, own) if path is not None else {}
+            for name in deltas.keys() - self._lora_base.keys():  # untouched so far: the base
+                self._lora_base[name] = own[name].detach()
+            return {**self._lora_base, **lora.merged(self._lora_base, deltas)}, None
+
+        return self._weight_update(_WeightRequest(read, None, False, f"adapter {path}",
+                                                  flush_cache=False))
+
+    def set_weight_version(self, version: str, *, abort_first: bool = False) -> dict:
+        """SGLang's ``/update_weight_version``: the weights stay, their version changes (an
+        adapter's version is set this way after it loads)."""
+        return self._weight_update(_WeightRequest(lambda: ({}, None), version, abort_first,
+                                                  "update_weight_version", flush_cache=False))
 
     def update_weights_from_group(self, group: Any, names: list[str], dtypes: list[str],
                                   shapes: list[list[int]], version: str | None, *,
@@ -461,7 +486,7 @@ class GenerationEngine:
     def _load_weights(self, req: _WeightRequest) -> dict:
         try:
             state, held = req.read()
-        except weight_files.WeightLoadError as exc:
+        except (weight_files.WeightLoadError, AdapterError) as exc:
             return {"success": False, "message": str(exc)}
         except Exception as exc:  # a broken broadcast, an unreadable file: the reply says so
             log.exception("weight update from %s failed", req.source)

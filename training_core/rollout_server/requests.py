@@ -8,8 +8,8 @@ release's own code against these functions):
 - the HTTP contract gate (``sglang/api/v1/api_types.py``): unknown top-level keys are ignored,
   unknown sampling parameters refused;
 - SGLang's request fields the embedded server does not implement are refused at any value but
-  their default, naming them (accepting and ignoring ``lora_path`` or ``logprob_start_len`` would
-  answer from other weights or with other logprobs than asked);
+  their default, naming them (accepting and ignoring ``logprob_start_len`` would answer with
+  other logprobs than asked); ``lora_path`` names a loaded adapter (issue 49, server.py);
 - ``SamplingParams.__post_init__`` and ``verify`` (``srt/sampling/sampling_params.py``):
   ``0 <= temperature < 1e-6`` is greedy (SGLang sets temperature 1 and top_k 1), ``top_k`` -1 or
   SGLang's TOP_K_ALL is the whole vocabulary, and the range checks with SGLang's own messages;
@@ -57,7 +57,7 @@ UNSUPPORTED_GENERATE_DEFAULTS: dict[str, Any] = {
     "bootstrap_port": None, "bootstrap_room": None, "bootstrap_pair_key": None,
     "decode_tp_size": None, "routed_dp_rank": None, "disagg_prefill_dp_rank": None,
     "image_data": None, "mm_hashes": None, "video_data": None, "audio_data": None,
-    "require_reasoning": None, "lora_path": None, "session_params": None, "kv_hints": None,
+    "require_reasoning": None, "session_params": None, "kv_hints": None,
     "max_thinking_tokens": None, "session_id": None, "custom_logit_processor": None,
     "images_config": None, "return_prompt_token_ids": False, "routed_experts_start_len": 0,
     "return_sampling_mask": None, "modalities": None,
@@ -128,6 +128,8 @@ class GenerateReqIn(BaseModel):
     return_logprob: bool | list[bool] | None = None
     rid: str | list[str] | None = None
     stream: bool | None = False
+    # [issue 49] a loaded adapter's name (one for all rows, or one per row): server.py
+    lora_path: str | list[str | None] | None = None
 
     def unsupported_fields(self) -> str | None:
         named = [key for key, value in (self.model_extra or {}).items()
@@ -236,3 +238,32 @@ class AbortReqIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     rid: str
+
+
+class LoadLoRAAdapterReqIn(BaseModel):
+    """SGLang's LoadLoRAAdapterReqInput (io_struct.py)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    lora_id: str | None = None
+
+
+class UnloadLoRAAdapterReqIn(BaseModel):
+    """SGLang's UnloadLoRAAdapterReqInput (io_struct.py)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+    lora_id: str | None = None
+
+
+class UpdateWeightVersionReqIn(BaseModel):
+    """SGLang's UpdateWeightVersionReqInput (io_struct.py)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    new_version: str
+    abort_all_requests: bool = True

@@ -42,10 +42,13 @@ from training_core.rollout_server.requests import (
     GenerateReqIn,
     GetWeightsByNameReqIn,
     InitWeightsUpdateGroupReqIn,
+    LoadLoRAAdapterReqIn,
     PauseGenerationReqIn,
     SamplingParamsIn,
+    UnloadLoRAAdapterReqIn,
     UpdateWeightFromDiskReqIn,
     UpdateWeightsFromDistributedReqIn,
+    UpdateWeightVersionReqIn,
     admit,
     max_req_input_len,
 )
@@ -73,6 +76,10 @@ def create_app(engine: EngineProcess, tokenizer: Any, *, key: str | None = None,
     counter = itertools.count()
     bracket = {"open": False}  # SGLang's weight-update session (begin/end_weight_update)
     root = Path(weights_root).resolve() if weights_root else None
+    # [issue 49] LoRA adapters by name, in load order (SGLang's registry); the engine serves the
+    # last one loaded, merged into its weights (rollout_server/lora.py says why)
+    adapters: dict[str, str] = {}
+    ever_loaded: set[str] = set()
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
@@ -92,6 +99,8 @@ def create_app(engine: EngineProcess, tokenizer: Any, *, key: str | None = None,
     @app.post("/generate")
     async def generate(body: GenerateReqIn):
         if (problem := body.unsupported_fields()) is not None:
+            return _error(400, problem)
+        if (problem := _unknown_adapter(body.lora_path)) is not None:
             return _error(400, problem)
         ids = body.input_ids
         if ids is None and body.text is not None:
@@ -154,6 +163,64 @@ def create_app(engine: EngineProcess, tokenizer: Any, *, key: str | None = None,
         return await _result("update_weights_from_disk", path=body.model_path,
                              version=body.weight_version, abort_first=body.abort_all_requests,
                              flush_cache=body.flush_cache)
+
+    # ---- LoRA adapters (SGLang's routes; issue 49) ------------------------------------------
+
+    def _unknown_adapter(lora_path: str | list[str | None] | None) -> str | None:
+        """SGLang's refusal of a request naming an adapter that is not loaded, in its words
+        (TokenizerManager._resolve_lora_path, LoRARegistry.acquire)."""
+        names = [lora_path] if isinstance(lora_path, str) else [n for n in lora_path or [] if n]
+        for name in names:
+            if name not in adapters:
+                if name in ever_loaded:  # SGLang would reload it from its path; unloaded here
+                    return (f"The following requested LoRA adapters are not loaded: {name}\n"
+                            f"Loaded adapters: {adapters.keys()}.")
+                return (f"Got LoRA adapter that has never been loaded: {name}\n"
+                        f"All loaded adapters: {adapters.keys()}.")
+        return None
+
+    def _lora_result(ok: bool, message: str = "") -> JSONResponse:
+        # SGLang's LoRAUpdateOutput: success, error_message, loaded_adapters (name -> path)
+        return JSONResponse({"success": ok, "error_message": message,
+                             "loaded_adapters": dict(adapters)}, status_code=200 if ok else 400)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterReqIn):
+        if body.lora_name in adapters:
+            return _lora_result(False, f"Failed to load LoRA adapter {body.lora_name} because it "
+                                       "is already loaded")
+        if root is not None and not Path(body.lora_path).resolve().is_relative_to(root):
+            return _lora_result(False, f"lora_path: {body.lora_path} is outside this server's "
+                                       f"weights root ({root})")
+        result = await engine.call("apply_adapter", path=body.lora_path)
+        if not result["success"]:
+            return _lora_result(False, result["message"])
+        adapters[body.lora_name] = body.lora_path
+        ever_loaded.add(body.lora_name)
+        return _lora_result(True)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterReqIn):
+        if body.lora_name not in adapters:
+            return _lora_result(False, f"LoRA with name {body.lora_name} does not exist. Loaded "
+                                       f"LoRAs: {adapters.keys()}")
+        was_serving = body.lora_name == next(reversed(adapters))
+        del adapters[body.lora_name]
+        if was_serving:  # the newest adapter left serves, or the base
+            result = await engine.call("apply_adapter",
+                                       path=adapters[next(reversed(adapters))] if adapters else None)
+            if not result["success"]:
+                return _lora_result(False, result["message"])
+        return _lora_result(True)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(body: UpdateWeightVersionReqIn):
+        result = await engine.call("set_weight_version", version=body.new_version,
+                                   abort_first=body.abort_all_requests)
+        if not result["success"]:
+            return JSONResponse({"success": False, "message": result["message"]}, status_code=400)
+        return {"success": True, "message": f"Weight version updated to {body.new_version}",
+                "new_version": body.new_version}
 
     # ---- weights over the network (SGLang's distributed weight update) ----------------------
 

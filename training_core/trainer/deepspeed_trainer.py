@@ -20,6 +20,7 @@ import torch
 from training_core import world as world_
 from training_core.api import NonFiniteUpdate, TrainBatch
 from training_core.checkpoint import COMPLETE
+from training_core.config import LoraSpec
 from training_core.dtypes import DEFAULT_DTYPE, precision, torch_dtype
 from training_core.gpu_memory import LOGIT_CHUNK_TOKENS
 from training_core.models.loading import load_model
@@ -30,6 +31,7 @@ from training_core.prefix_tree import (
     sequence_logprobs,
 )
 from training_core.proximal import update_gives_proximal
+from training_core.trainer import adapter
 from training_core.transport import weight_files
 from training_core.world import barrier, init_distributed, local_rank, rank_and_world
 
@@ -71,7 +73,7 @@ class DeepSpeedTrainer:
                  zero_stage: int, dtype: str = DEFAULT_DTYPE, dist_backend: str = "auto",
                  temperature: float = 1.0, micro_batch_tokens: int = 8192, keep_reference: bool = False,
                  share_prefixes: bool = True, activation_checkpointing: bool = False,
-                 logit_chunk_tokens: int | None = LOGIT_CHUNK_TOKENS):
+                 logit_chunk_tokens: int | None = LOGIT_CHUNK_TOKENS, lora: LoraSpec | None = None):
         import deepspeed
 
         init_distributed(dist_backend)
@@ -112,12 +114,18 @@ class DeepSpeedTrainer:
                 model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.lora = lora
         self.reference = None
-        if keep_reference:  # frozen copy of the initial policy for KL-regularised presets
+        if lora is not None:  # [issue 49] only the adapter trains; the base is frozen
+            model = adapter.wrap(model, lora)
+            if keep_reference:  # the reference is the base: the adapter switched off, no copy
+                self.reference = adapter.BaseOnly(model)
+        elif keep_reference:  # frozen copy of the initial policy for KL-regularised presets
             self.reference = load_model(model_dir, weights_dtype).to(self.device).eval()
             disable_dropout(self.reference)
             self.reference.requires_grad_(False)
-        optimizer = adamw(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999))
+        # Only what trains: with an adapter the optimizer's state is the adapter's, nothing else.
+        optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999))
         config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
@@ -142,6 +150,9 @@ class DeepSpeedTrainer:
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         """Recompute per-token logprobs (the proximal policy, or the reference with ``model``)."""
+        if isinstance(model, adapter.BaseOnly):
+            with model.peft_model.disable_adapter():
+                return self.logprobs(batch, model.peft_model)
         net = model or self.engine.module
         was_training = net.training
         net.eval()
@@ -210,6 +221,10 @@ class DeepSpeedTrainer:
         if prox_logp is None and not update_gives_proximal(minibatches):
             raise ValueError("with several minibatches the proximal logprobs must be computed "
                              "before the first optimizer step")
+        if prox_logp is None and self.lora is not None and self.lora.dropout > 0:
+            # The update's forward drops adapter inputs, so its logprobs are not the policy's:
+            # the proximal ones take their own pass in eval mode (the first ratio stays 1).
+            prox_logp = self.logprobs(batch)
         self.engine.train()
         n = batch.input_ids.shape[0]
         order = list(range(n))
@@ -346,6 +361,10 @@ class DeepSpeedTrainer:
     def save_weights(self, path: str | Path, *, spare: str | Path | None = None) -> Path:
         """Write safetensors the rollout servers load (whole or not at all); over ``spare``'s
         file where it can be reused (weight_files.save)."""
+        if self.lora is not None:  # [issue 49] the adapter only, in peft's layout
+            if rank_and_world()[0] != 0:
+                return Path(path)
+            return adapter.save(self.engine.module, path, dtype=self.serve_dtype)
         state = self.weights(cast=False)  # every rank takes part (ZeRO-3 gathers)
         if rank_and_world()[0] != 0:
             return Path(path)
@@ -356,7 +375,9 @@ class DeepSpeedTrainer:
         state["rng"] = {"python": random.getstate(), "numpy": np.random.get_state(),
                         "torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state)
+        # With an adapter the frozen base is not saved: it is the model folder, unchanged.
+        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state,
+                                    exclude_frozen_parameters=self.lora is not None)
         barrier()
         # The marker is written last: a checkpoint without it was interrupted and is ignored.
         # One per node (its first local rank): each node's run directory holds its own shards.
@@ -366,7 +387,8 @@ class DeepSpeedTrainer:
 
     def load_checkpoint(self, ckpt_dir: str | Path, tag: str) -> dict[str, Any]:
         _, state = self.engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
-                                               load_lr_scheduler_states=True)
+                                               load_lr_scheduler_states=True,
+                                               load_module_strict=self.lora is None)
         keep_fused(self.engine.optimizer)
         rng = state.pop("rng", None)
         if rng:

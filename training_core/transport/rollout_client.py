@@ -23,6 +23,10 @@
   server's context leaves (``budget_clamped`` on the response, ``rollout/budget_clamped_frac`` in
   the step metrics); a prompt that leaves no room is refused before it is sent
   (:class:`PromptTooLong`, an episode error). Both servers would answer a 400 otherwise.
+- LoRA (issue 49): after :meth:`load_lora_adapter` every request names the current adapter
+  (``lora_path``), each version loaded under its own name; :meth:`unload_unused_adapters` drops
+  the older ones that no request in flight names. A request re-submitted after an interruption
+  names the adapter current then, as a full-weight one continues under the new weights.
 - Auth: every call carries the run's server key (``OOLONG_SERVER_KEY``, transport/server_auth.py).
 - Errors of one request are errors of that episode, never retried: SGLang answers ``abort`` with
   no tokens for a request it cannot serve (input too long, ...) and HTTP 4xx for a malformed one.
@@ -36,9 +40,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -139,6 +144,13 @@ class RolloutClient:
         self._paused = False
         # Interrupted samples wait for the resume on their own event loop: resume() wakes them.
         self._resume_events: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
+        # [issue 49] the adapter requests name (None: the base weights), the adapters loaded (in
+        # order), and how many requests in flight name each (read by the control loop, written
+        # by the executor's: hence the lock)
+        self.lora_name: str | None = None
+        self.loaded_adapters: list[str] = []
+        self._adapter_uses: dict[str, int] = {}
+        self._adapter_lock = threading.Lock()
 
     # ---- version ----------------------------------------------------------------------------
 
@@ -348,11 +360,29 @@ class RolloutClient:
             return {"input_ids": ids[0], "sampling_params": params[0], "return_logprob": True}
         return {"input_ids": ids, "sampling_params": params, "return_logprob": True}
 
+    @contextmanager
+    def adapter_in_use(self) -> Iterator[str | None]:
+        """The adapter a request names (the current one), counted as in use until it is back."""
+        with self._adapter_lock:
+            name = self.lora_name
+            if name is not None:
+                self._adapter_uses[name] = self._adapter_uses.get(name, 0) + 1
+        try:
+            yield name
+        finally:
+            if name is not None:
+                with self._adapter_lock:
+                    self._adapter_uses[name] -= 1
+
     async def _round(self, request: GenerationRequest, states: list[_Partial]) -> None:
         version_at_submit = self.policy.current
         pauses_at_submit = self._pauses
-        result = await self._generate_once(self._payload(request, states), weight=len(states),
-                                           route_key=request.route_key)
+        with self.adapter_in_use() as adapter:
+            payload = self._payload(request, states)
+            if adapter is not None:
+                payload["lora_path"] = adapter
+            result = await self._generate_once(payload, weight=len(states),
+                                               route_key=request.route_key)
         results = result if isinstance(result, list) else [result]
         if len(results) != len(states):
             raise RolloutServerError(f"asked for {len(states)} samples, got {len(results)}")
@@ -437,6 +467,55 @@ class RolloutClient:
         results = await self._all("/update_weights_from_disk", payload)
         _check_all("update_weights_from_disk", self.servers, results)
         self._servers_current()
+
+    # ---- LoRA adapters (SGLang's /load_lora_adapter, /unload_lora_adapter; issue 49) -------
+
+    async def load_lora_adapter(self, name: str, path: str, version: int) -> None:
+        """Load the adapter in ``path`` as ``name`` on every server and make it the one requests
+        name; the servers' ``weight_version`` becomes ``version`` (SGLang's
+        ``/update_weight_version``, without aborting: the pause decides what happens to
+        requests in flight)."""
+        payload = {"lora_name": name, "lora_path": path}
+
+        async def load(server: _Server) -> dict:
+            try:
+                return await self._retrying(server, "/load_lora_adapter", payload)
+            except RolloutServerError as exc:
+                # A resumed run reloads its version under the same name: what the server holds
+                # under it may be a discarded future's, so the checkpoint's replaces it.
+                if exc.status != 400 or "already loaded" not in str(exc):
+                    raise
+            await self._retrying(server, "/unload_lora_adapter", {"lora_name": name})
+            return await self._retrying(server, "/load_lora_adapter", payload)
+
+        loaded = await asyncio.gather(*[load(s) for s in self.servers])
+        _check_all("load_lora_adapter", self.servers, loaded)
+        results = await self._all("/update_weight_version", {"new_version": str(version),
+                                                              "abort_all_requests": False})
+        _check_all("update_weight_version", self.servers, results)
+        # The servers' own list (SGLang's loaded_adapters): a resumed run's client also learns
+        # the adapters an earlier trainer loaded, and unloads them in turn.
+        held = [n for r in results_of_load(loaded) for n in r]
+        with self._adapter_lock:
+            self.lora_name = name
+            for n in [*held, name]:
+                if n not in self.loaded_adapters:
+                    self.loaded_adapters.append(n)
+        self._servers_current()
+
+    async def unload_unused_adapters(self) -> list[str]:
+        """Unload every adapter but the current one that no request in flight names; returns
+        their names (one still in use is left for a later call)."""
+        with self._adapter_lock:
+            idle = [n for n in self.loaded_adapters
+                    if n != self.lora_name and self._adapter_uses.get(n, 0) == 0]
+        for name in idle:
+            results = await self._all("/unload_lora_adapter", {"lora_name": name})
+            _check_all("unload_lora_adapter", self.servers, results)
+            with self._adapter_lock:
+                self.loaded_adapters.remove(name)
+                self._adapter_uses.pop(name, None)
+        return idle
 
     # ---- weights over the network (SGLang's distributed weight update) ----------------------
 
@@ -586,6 +665,12 @@ class RolloutClient:
         if lean is not None:
             await lean.aclose()
 
+
+
+def results_of_load(results: list[Any]) -> list[list[str]]:
+    """The adapter names each server reports loaded after a ``/load_lora_adapter``."""
+    return [list((r.get("loaded_adapters") or {}).keys()) if isinstance(r, dict) else []
+            for r in results]
 
 
 def _check_all(call: str, servers: list[_Server], results: list[Any]) -> None:

@@ -78,6 +78,10 @@ async def stream_generate(client: Any, request: GenerationRequest
             server.in_flight += 1
             done = 0  # tokens of this round already yielded
             finish: dict[str, Any] = {}
+            in_use = client.adapter_in_use()  # [issue 49] the current adapter, held this round
+            adapter = in_use.__enter__()
+            if adapter is not None:
+                payload["lora_path"] = adapter
             try:
                 async for item in _events(http, server.url + "/generate", payload, headers):
                     meta = item.get("meta_info", {})
@@ -102,6 +106,7 @@ async def stream_generate(client: Any, request: GenerationRequest
                     continue
                 raise RolloutServerError(f"{server.url} dropped a streamed request: {exc}") from exc
             finally:
+                in_use.__exit__(None, None, None)
                 server.in_flight -= 1
                 if server.flush_pending and server.in_flight == 0:
                     await client._flush(server)

@@ -31,6 +31,7 @@ MEMBER_LIMITS: dict[str, float] = {
     "model.num_heads": 64,
     "model.warm_start_seconds": 3600,
     "model.warm_start_steps": 100_000,
+    "model.lora.rank": 256,  # the adapter's size and its optimizer state grow with it
     # data: rows drawn and held in memory
     "data.size": 1_000_000,
     "data.eval_size": 10_000,
@@ -96,15 +97,17 @@ COSTLESS_FIELDS: dict[str, str] = {
                                "evaluation, recorded as such); removes nothing, costs nothing",
     "orchestration.placement.server_nodes": "node indices: the run's nodes bound them",
     "algorithm.*": "loss coefficients",
+    "model.lora.alpha": "a coefficient (the adapter's scale)",
+    "model.lora.dropout": "a probability (0-1)",
 }
 NUMERIC_KINDS = ("integer", "number")
 
 
 def member_numeric_fields() -> list[dict[str, Any]]:
     """The spec's numeric fields (lists of numbers too) a member may set: what must be bounded."""
-    from training_core.spec_fields import spec_fields
+    from training_core.spec_fields import optional_section_fields, spec_fields
 
-    return [f for f in spec_fields()
+    return [f for f in [*spec_fields(), *optional_section_fields()]
             if (f["kind"] in NUMERIC_KINDS or f.get("item_kind") in NUMERIC_KINDS)
             and not _admin_only(f["path"])]
 
@@ -151,13 +154,15 @@ def _default(path: str) -> Any:
 
     node: Any = RunSpec()
     for part in path.split("."):
-        node = getattr(node, part)
+        node = getattr(node, part, None)
     return node.model_dump(mode="json") if hasattr(node, "model_dump") else node
 
 
 def _get(spec: dict[str, Any], path: str) -> Any:
     node: Any = spec
     for part in path.split("."):
+        if node is None:  # an optional section left empty (model.lora): nothing set below it
+            return None
         if not isinstance(node, dict) or part not in node:
             return _default(path)
         node = node[part]

@@ -42,7 +42,8 @@ def test_unknown_keys_are_treated_as_the_releases_contract_gate_treats_them(serv
     assert resp.json()["error"] == expected
 
 
-@pytest.mark.parametrize("field, value", [("lora_path", "adapter-1"), ("logprob_start_len", 0),
+# lora_path is served since issue 49 (test_embedded_lora.py)
+@pytest.mark.parametrize("field, value", [("logprob_start_len", 0),
                                           ("top_logprobs_num", 3), ("return_hidden_states", True),
                                           ("session_params", {"id": "s"})])
 def test_release_fields_the_embedded_server_cannot_honour_are_refused_naming_them(
@@ -227,7 +228,8 @@ def test_the_release_rules_tables_match_its_sampling_fields(release):
     fields = release.api.SamplingParams.__struct_fields__
     assert rules.SGLANG_SAMPLING_FIELDS == fields
     generate_fields = set(release.api.GenerateRequest.__struct_fields__)
-    ours = ({"text", "input_ids", "sampling_params", "return_logprob", "rid", "stream"}
+    ours = ({"text", "input_ids", "sampling_params", "return_logprob", "rid", "stream",
+             "lora_path"}
             | rules.UNSUPPORTED_GENERATE_DEFAULTS.keys() | rules.IGNORED_GENERATE_FIELDS)
     assert ours == generate_fields
 
