@@ -16,8 +16,8 @@ from tests.training_core.gateway_harness import GatewayThread
 from training_core.api import SamplingParams
 from training_core.config import SpecError, load_spec
 from training_core.gateway.http import Limits
-from training_core.gateway.online import write_gateway_file
 from training_core.models.tiny import build_char_tokenizer
+from training_core.workflows.online import write_gateway_file
 
 
 class NoEngine:

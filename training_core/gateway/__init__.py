@@ -6,5 +6,5 @@ responses_api.py, anthropic_api.py) reads its request into plain chat messages (
 and runs one turn (turn.py): the ids of a conversation kept exactly as sampled across turns
 (chat.py, session.py), the run's sampling policy (sampling.py), tool calls and reasoning parsed
 per model family (tools.py); credit is assigned per segment (credit.py). Online mode
-(online.py) serves agents that run elsewhere.
+(workflows/online.py) serves agents that run elsewhere.
 """

@@ -2,7 +2,7 @@
 
 Endpoints (``<base>`` is ``/sessions/<id>/v1`` with the session key as the API key, or ``/v1``
 with the run key and the session id in the ``X-Oolong-Session`` header, or, in online mode, with
-the run key alone: the session is found or opened by the server, online.py; on an episode's own
+the run key alone: the session is found or opened by the server, workflows/online.py; on an episode's own
 Unix socket any ``/v1`` path is that episode's session):
 
 - ``GET <base>/models``: the one model, the policy being trained;
@@ -80,7 +80,7 @@ class Gateway:
         self._live: set[asyncio.Task] = set()  # open TCP connections
         self._session_live: dict[str, set[asyncio.Task]] = {}  # open connections per Unix socket
         self.url: str | None = None  # where this process listens
-        # Online mode (online.py): its /rl/* endpoints, and the session of a run-key request
+        # Online mode (workflows/online.py): its /rl/* endpoints, and the session of a run-key request
         # that names none.
         self.extra: Callable[[Request], Awaitable[Response]] | None = None
         self.implicit: Callable[[Request, TurnRequest], Awaitable[Session]] | None = None

@@ -15,7 +15,7 @@ WORKFLOWS = {
 
 def load_workflow(name: str, ctx: WorkflowContext) -> Workflow:
     if name == "online":  # rollout.mode: online (agents elsewhere post their rewards)
-        from training_core.gateway.online import OnlineWorkflow
+        from training_core.workflows.online import OnlineWorkflow
 
         return OnlineWorkflow(ctx)
     if name.startswith("agent:"):

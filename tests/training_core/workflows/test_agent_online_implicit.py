@@ -13,10 +13,10 @@ import pytest
 
 from training_core.api import SamplingParams
 from training_core.config import AgentSpec
-from training_core.gateway.online import OnlineWorkflow
 from training_core.models.loading import load_tokenizer
 from training_core.transport.rollout_client import RolloutClient
 from training_core.workflows.base import WorkflowContext
+from training_core.workflows.online import OnlineWorkflow
 
 
 @pytest.fixture
