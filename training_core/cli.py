@@ -87,7 +87,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from training_core.export import ExportError, export_version
 
     try:
-        result = export_version(args.run, args.version, args.out)
+        result = export_version(args.run, args.version, args.out, merge=args.merge)
     except ExportError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a version number, 'latest' (the newest held) or 'best' (the best "
                         "held-out greedy accuracy recorded)")
     e.add_argument("--out", required=True, help="a new (or empty) folder to write")
+    e.add_argument("--merge", action="store_true",
+                   help="a LoRA run: write the base with the adapter merged in (default: the "
+                        "adapter alone, in peft's layout)")
     e.set_defaults(fn=cmd_export)
     # The server parses its own flags (python -m training_core.rollout_server.server --help):
     # argparse's REMAINDER does not take a first argument that looks like an option, so

@@ -13,7 +13,11 @@ A run keeps a version's weights in one of three places (:func:`weight_sources`):
 ``model.safetensors`` and ``config.json`` in the run's dtype, the tokenizer with its chat
 template, a ``generation_config.json`` with the run's sampling, ``oolong.json`` (the lineage as
 data) and a model card, ``README.md``. The folder is written beside ``out`` and renamed into
-place, so it is whole or absent. Nothing here imports the web app: it passes what only it knows
+place, so it is whole or absent. A LoRA run (``model.lora``) keeps only its adapter per version
+(``weights/v<N>/adapter_model.safetensors``, a checkpoint without the frozen base): its export is
+the adapter in peft's layout (``adapter_model.safetensors``, ``adapter_config.json``, what
+``PeftModel.from_pretrained`` and SGLang's ``--lora-paths`` take) beside the tokenizer and card,
+or with ``merge`` the base with the adapter merged in, a plain model. Nothing here imports the web app: it passes what only it knows
 (dataset and reward versions, the tracker's evaluations) as ``lineage`` and ``evaluations``.
 """
 
@@ -34,6 +38,7 @@ from training_core import __version__, metric_names
 from training_core.checkpoint import checkpoint_dir, complete_checkpoints, pushed_weights
 from training_core.config import RunSpec, load_spec
 from training_core.metrics import read_metrics
+from training_core.trainer.adapter import ADAPTER_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 LINEAGE_FILE = "oolong.json"
@@ -151,6 +156,8 @@ def load_state(source: WeightSource) -> dict[str, Any] | None:
         # A live run retires a version two pushes later by renaming its folder and writing the
         # next version over it: the file must be the same one after it was read.
         path = source.path / "model.safetensors"
+        if not path.exists() and (source.path / ADAPTER_FILE).exists():
+            path = source.path / ADAPTER_FILE  # a LoRA run's version: the adapter alone
         before = _identity(path)
         state = load_file(str(path))
         if before is None or _identity(path) != before:
@@ -236,10 +243,13 @@ def _weights_only(*, force: bool = False) -> Iterator[None]:
 
 def export_version(run_dir: str | Path, version: int | str, out: str | Path, *,
                    lineage: dict[str, Any] | None = None,
-                   evaluations: dict[int, dict[str, float]] | None = None) -> ExportResult:
+                   evaluations: dict[int, dict[str, float]] | None = None,
+                   merge: bool = False) -> ExportResult:
     """Write ``version`` of the run in ``run_dir`` to the new folder ``out`` (see the module
     doc). ``evaluations`` (version -> metrics) replaces metrics.jsonl's where the caller holds
-    the record (the web app's tracker); ``lineage`` adds what the run directory does not know."""
+    the record (the web app's tracker); ``lineage`` adds what the run directory does not know.
+    ``merge``: a LoRA run's adapter merged into its base (else the adapter alone, peft's
+    layout); refused for a run without an adapter, which has nothing to merge."""
     from training_core.dtypes import precision, torch_dtype
     from training_core.models.loading import load_model, load_tokenizer
     from training_core.models.paths import run_model_dir
@@ -259,9 +269,16 @@ def export_version(run_dir: str | Path, version: int | str, out: str | Path, *,
 
     # Loaded as the trainer holds its weights (a bf16 run: fp32 masters), then cast to the
     # served dtype: the exact values the servers held.
+    if merge and spec.model.lora is None:
+        raise ExportError("--merge: this run trained full weights (no model.lora), there is no "
+                          "adapter to merge; export without --merge", field="merge")
     model = load_model(model_dir, precision(spec.model.dtype).trainer_weights)
     state = load_state(source)
-    if state is not None:
+    if spec.model.lora is not None:
+        model = _with_adapter(model, spec, state, source)
+        if merge:
+            model = model.merge_and_unload()
+    elif state is not None:
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
         if unexpected or set(missing) - ({"lm_head.weight"} if tied else set()):
@@ -277,6 +294,8 @@ def export_version(run_dir: str | Path, version: int | str, out: str | Path, *,
     tmp.mkdir(parents=True)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
+        if spec.model.lora is not None and not merge:  # the adapter names its base as the spec does
+            _name_the_base(tmp, spec)
         load_tokenizer(model_dir).save_pretrained(tmp)  # with its chat template
         generation_config(spec, model).save_pretrained(tmp)
         record = lineage_record(spec, run_dir, source, evaluations.get(v, {}), model_dir,
@@ -293,6 +312,47 @@ def export_version(run_dir: str | Path, version: int | str, out: str | Path, *,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(out, v, source.step, source.kind, record["evaluation"], record)
+
+
+def _with_adapter(model: Any, spec: RunSpec, state: dict[str, Any] | None,
+                  source: WeightSource) -> Any:
+    """The base wrapped with the run's adapter (as the trainer wraps it) holding ``source``'s
+    adapter weights; version 0's adapter is the untrained one (it changes nothing)."""
+    from peft import set_peft_model_state_dict
+
+    from training_core.trainer.adapter import wrap
+
+    model = wrap(model, spec.model.lora)
+    if state is None:
+        return model
+    if source.kind == "pushed":  # peft's file: keys without the adapter's name
+        result = set_peft_model_state_dict(model, state)
+        unexpected = list(result.unexpected_keys)
+    else:  # a checkpoint: the trained module's own names (the frozen base left out)
+        _, unexpected = model.load_state_dict(state, strict=False)
+        unexpected = [k for k in unexpected if not k.endswith("lm_head.weight")]  # tied alias
+    lora = {n for n, _ in model.named_parameters() if "lora_" in n}
+    loaded = {k.replace(".weight", ".default.weight") if ".default." not in k else k
+              for k in state if "lora_" in k}
+    if unexpected or not lora <= {_full_name(k) for k in loaded}:
+        raise ExportError(f"the adapter of version {source.version} ({source.path}) does not fit "
+                          f"the run's model.lora: unexpected {sorted(unexpected)[:5]}",
+                          field="version")
+    return model
+
+
+def _full_name(key: str) -> str:
+    """A state dict key as the wrapped model names its parameter."""
+    return key if key.startswith("base_model.") else f"base_model.model.{key}"
+
+
+def _name_the_base(folder: Path, spec: RunSpec) -> None:
+    """peft writes the base model's local folder into adapter_config.json; the export names it
+    as the run's spec did (``tiny``, ``smollm2`` or a Hugging Face name), which a user can load."""
+    config_path = folder / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = str(spec.model.path)
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def generation_config(spec: RunSpec, model: Any) -> Any:

@@ -147,3 +147,10 @@ def test_a_zero3_checkpoint_gives_the_weights_its_version_served(tiny_model_dir,
     assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ  # the switch is put back
     with pytest.raises(ExportError, match="holds version 2, not 1"):
         load_state(WeightSource(1, "checkpoint", run_dir / "checkpoints" / "step2", 2))
+
+
+def test_merge_is_refused_for_a_run_without_an_adapter(finished_run):
+    with pytest.raises(ExportError, match="no model.lora") as refused:
+        export_version(finished_run["run_dir"], "latest", finished_run["tmp"] / "merged",
+                       merge=True)
+    assert refused.value.field == "merge"

@@ -54,3 +54,69 @@ def test_a_lora_run_pushes_only_adapters_and_resumes(tiny_model_dir, tmp_path, p
     assert probe.status_code == 400 and "v1" in probe.json()["error"]["message"]
     kinds = [json.loads(line)["kind"] for line in (run_dir / "events.jsonl").open()]
     assert "resumed" in kinds and kinds[-1] == "finished"
+
+
+def test_a_lora_runs_export_gives_its_servers_greedy_answers_as_adapter_and_merged(
+        tiny_model_dir, tmp_path):
+    """Issue 49.3 for an adapter: the latest version exported in peft's layout (loaded with
+    transformers + peft) and merged (plain transformers) gives exactly the greedy answers the
+    run's own server gives at that version (fp32, CPU); a checkpointed version exports too."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.training_core.conftest import generate
+    from training_core.data.datasets import load_data
+    from training_core.export import export_version
+    from training_core.models.loading import load_tokenizer
+    from training_core.train import train
+    from training_core.workflows.base import render_prompt
+
+    fleet, url = start_server(tiny_model_dir, tmp_path / "server.log")
+    run_dir = tmp_path / "run"
+    try:
+        spec = load_spec(None, [*LORA, f"run_dir={run_dir}", f"rollout.server_urls=[{url}]",
+                                "trainer.steps=2", "checkpoint.every=1"])
+        train(spec, progress=False)
+        tok = load_tokenizer(tiny_model_dir)
+        rows = load_data(spec.data, spec.seed).eval[:6]
+        prompts = [render_prompt(tok, r, spec.data.prompt_template, spec.data.chat_template)
+                   for r in rows]
+        served = [generate(url, p, max_new_tokens=6, temperature=0.0)["output_ids"]
+                  for p in prompts]  # the server answers with the adapter it loaded last: v2
+    finally:
+        fleet.stop()
+
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    assert export_version(run_dir, "latest", adapter_dir).version == 2
+    assert (adapter_dir / "adapter_model.safetensors").exists()
+    assert not (adapter_dir / "model.safetensors").exists()  # the adapter alone
+    assert json.loads((adapter_dir / "adapter_config.json").read_text())[
+        "base_model_name_or_path"] == str(spec.model.path)
+    export_version(run_dir, "latest", merged_dir, merge=True)
+    assert (merged_dir / "model.safetensors").exists()
+
+    def greedy(model) -> list[list[int]]:
+        eos = tok.eos_token_id
+        out = []
+        with torch.no_grad():
+            for p in prompts:
+                ids = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=6,
+                                     pad_token_id=eos)[0, len(p):].tolist()
+                out.append(ids[: ids.index(eos) + 1] if eos in ids else ids)
+        return out
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with_adapter = PeftModel.from_pretrained(base, adapter_dir).eval()
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    trimmed = [s[: s.index(tok.eos_token_id) + 1] if tok.eos_token_id in s else s for s in served]
+    assert greedy(with_adapter) == trimmed
+    assert greedy(merged) == trimmed
+    # the same version from its checkpoint alone (the frozen base left out of it)
+    import shutil
+
+    shutil.rmtree(run_dir / "weights")
+    from_checkpoint = export_version(run_dir, "latest", tmp_path / "ckpt", merge=True)
+    assert (from_checkpoint.version, from_checkpoint.source) == (2, "checkpoint")
+    restored = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32).eval()
+    assert greedy(restored) == trimmed
