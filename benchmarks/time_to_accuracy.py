@@ -51,11 +51,15 @@ Aims (issue 48, 2 cores), evaluated as booleans with their numbers:
   ``ci95``;
 - ``async_target_at_most_0_8_sync``: asynchronous minutes to target <= 0.8 x synchronous.
 
-Modes: the full run (3 seeds x 24 steps of 8 prompts x 8 samples, 4 save points, at most 60
-minutes on 2 cores), ``--quick`` (1 seed x 8 steps, 2 save points: at most 15 minutes; one seed
-gives no seed spread, so its interval is over questions only), ``--smoke`` (the tiny model, no
-chat template, 2 steps of 2 x 2 samples, 1 seed: the machinery end to end in a test, its
-accuracies meaningless).
+Modes: the full run (3 seeds x 12 steps of 8 prompts x 8 samples, save points at 3, 6, 9, 12),
+``--quick`` (1 seed x 8 steps, points at 4 and 8; one seed gives no seed spread, so its interval
+is over questions only), ``--smoke`` (the tiny model, no chat template, 2 steps of 2 x 2 samples,
+1 seed: the machinery end to end in a test, its accuracies meaningless). The steps are set by
+TRL, the slowest side (about 45 s a step at this batch on 2 idle cores, estimated from
+vs_trl.py's 16-19 s at a quarter of it): idle, ``--quick`` should take 10-12 minutes and the
+full run about 50 (the budgets are 15 and 60); on a loaded machine both take longer (the
+recorded load average says how loaded). ``--async-staleness`` sets the asynchronous side's eta
+(default vs_trl.py's 2).
 
     python benchmarks/time_to_accuracy.py --quick --out bench-results/time_to_accuracy_quick.json
 
@@ -100,7 +104,7 @@ TASK: dict[str, Any] = {"model": "smollm2", "chat_template": True, "group_size":
                         "batch_groups": 8, "max_new_tokens": 32, "lr": 2e-5, "dtype": "float32",
                         "reward": "builtin:numeric"}
 MODES: dict[str, dict[str, Any]] = {
-    "full": {"seeds": 3, "steps": 24, "points": 4},
+    "full": {"seeds": 3, "steps": 12, "points": 4},
     "quick": {"seeds": 1, "steps": 8, "points": 2},
     "smoke": {"seeds": 1, "steps": 2, "points": 2,
               "task": {"model": "tiny", "chat_template": False, "group_size": 2,
@@ -185,11 +189,13 @@ class TrainingClock:
 
 
 def run_oolong(system: str, task: dict[str, Any], pool: Path, seed: int, steps: int,
-               points: list[int], work: Path) -> dict[str, Any]:
+               points: list[int], work: Path, async_staleness: int | None = None) -> dict[str, Any]:
     from training_core.metrics import JsonlSink, MultiSink, read_metrics
     from training_core.train import train
 
     staleness, own = VS_TRL_SYSTEMS[system]
+    if system == "oolong_async" and async_staleness is not None:
+        staleness = async_staleness
     run_dir = work / "run"
     saves = work / "points"
     spec = oolong_spec(task, pool, seed, [
@@ -231,6 +237,7 @@ def step_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"steps": len(rows), "step_s_median": med("time/step_s"),
             "generation_wait_s_median": med("time/generation_wait_s"),
             "training_s_median": med("time/training_s"),
+            "trainer_threads_borrowed_median": med("time/trainer_threads_borrowed"),
             "staleness_mean": med("staleness/mean"),
             "reward_first": rows[0].get("reward/mean"), "reward_last": rows[-1].get("reward/mean")}
 
@@ -468,13 +475,14 @@ def plot(report: dict[str, Any], path: Path) -> Path:
 
 
 def _side(system: str, mode: str, pool: Path, seed: int, steps: int, points: list[int],
-          work: Path) -> dict[str, Any]:
+          work: Path, async_staleness: int) -> dict[str, Any]:
     """One system and seed in a fresh process (no state shared between runs)."""
     result = work / "result.json"
     subprocess.run([sys.executable, __file__, "--side", system, "--mode-name", mode,
                     "--pool", str(pool), "--seed", str(seed), "--steps", str(steps),
                     "--save-at", ",".join(map(str, points)), "--work-dir", str(work),
-                    "--result", str(result)], check=True, cwd=ROOT)
+                    "--async-staleness", str(async_staleness), "--result", str(result)],
+                   check=True, cwd=ROOT)
     return json.loads(result.read_text())
 
 
@@ -497,6 +505,8 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=None)
     parser.add_argument("--points", type=int, default=None, help="save points per run")
     parser.add_argument("--systems", default=",".join(SYSTEM_NAMES))
+    parser.add_argument("--async-staleness", type=int, default=VS_TRL_SYSTEMS["oolong_async"][0],
+                        help="eta of the asynchronous side (at least 1)")
     parser.add_argument("--out", default="bench-results/time_to_accuracy.json")
     parser.add_argument("--work-dir", default=None)
     # internal: one system and seed in its own process
@@ -517,7 +527,8 @@ def main() -> int:
         if args.side == "trl":
             out = run_trl(task, Path(args.pool), args.seed, args.steps, points, work)
         else:
-            out = run_oolong(args.side, task, Path(args.pool), args.seed, args.steps, points, work)
+            out = run_oolong(args.side, task, Path(args.pool), args.seed, args.steps, points, work,
+                             args.async_staleness)
         Path(args.result).write_text(json.dumps(out))
         return 0
 
@@ -528,6 +539,8 @@ def main() -> int:
     conf = MODES[mode]
     steps, n_seeds = args.steps or conf["steps"], args.seeds or conf["seeds"]
     points = save_points(steps, args.points or conf["points"])
+    if args.async_staleness < 1:
+        raise SystemExit("--async-staleness must be at least 1 (0 is the synchronous side)")
     systems = [s for s in args.systems.split(",") if s]
     if unknown := set(systems) - set(SYSTEM_NAMES):
         raise SystemExit(f"--systems: unknown {sorted(unknown)}; choose from {SYSTEM_NAMES}")
@@ -557,7 +570,7 @@ def main() -> int:
         for system in order:
             print(f"seed {seed}: {system}, {steps} steps, saving at {points} ...", flush=True)
             side_dir = work / f"{system}-seed{seed}"
-            out = _side(system, mode, pool, seed, steps, points, side_dir)
+            out = _side(system, mode, pool, seed, steps, points, side_dir, args.async_staleness)
             for p in out["saved"]:
                 p["scores"] = score_point(spec, model_dir, Path(p["path"]), held)
                 shutil.rmtree(p["path"], ignore_errors=True)  # disk: a SmolLM2 point is 540 MB
@@ -579,8 +592,8 @@ def main() -> int:
                  "question": QUESTION, "operands": [OPERANDS.start, OPERANDS.stop - 1]},
         "config": {"mode": mode, "steps": steps, "seeds": n_seeds, "save_points": points,
                    "cores_each": CORES,
-                   "oolong": {n: {"max_staleness": VS_TRL_SYSTEMS[n][0],
-                                  "overrides": VS_TRL_SYSTEMS[n][1]}
+                   "oolong": {n: {"max_staleness": args.async_staleness if n == "oolong_async"
+                                  else VS_TRL_SYSTEMS[n][0], "overrides": VS_TRL_SYSTEMS[n][1]}
                               for n in systems if n != "trl"},
                    "minutes_to_target": "first crossing of the seed-mean curve, interpolated",
                    "ci95": "normal, over questions (each question averaged over seeds)"},
