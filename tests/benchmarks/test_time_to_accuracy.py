@@ -155,3 +155,15 @@ def test_smoke_trains_three_systems_and_scores_every_point(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
     # every saved point was deleted once scored
     assert not list((tmp_path / "work").rglob("points/step*/model.safetensors"))
+
+
+def test_a_run_without_trl_reports_the_aims_it_can_and_its_own_target():
+    tta = _tta()
+    systems = _systems(tta)
+    del systems["trl"]
+    report = tta.build_report(systems, {})
+    assert report["target"] == 0.75 and report["target_from"] == "oolong_sync"
+    assert set(report["aims"]) == {"async_final_within_sync_ci", "async_target_at_most_0_8_sync"}
+    # async reaches .75 between its step 4 (1 min, .5) and step 8 (2 min, .875): 1 + .25/.375
+    assert report["systems"]["oolong_async"]["minutes_to_target"] == pytest.approx(1 + 0.25 / 0.375)
+    assert report["systems"]["oolong_sync"]["minutes_to_target"] == pytest.approx(4.0)
