@@ -122,5 +122,7 @@ def test_the_schema_documents_every_operation(api_schema):
                 assert "requestBody" in op, f"{method} {path} has no request body"
             if path.startswith("/api/ingest/"):
                 assert op["security"] == [{"runIngestToken": []}], (path, op["security"])
+                # every ingest endpoint is throttled per run token: its 429 is documented
+                assert "429" in codes, f"{method} {path} does not document its 429"
     started = raw["components"]["schemas"]["RunOutput"]["properties"]["started_at"]
     assert started.get("nullable") is True

@@ -207,7 +207,8 @@ class RunInfoIngestApi(IngestApi):
         gateway_key = serializers.CharField(allow_blank=True, help_text=(
             "online mode: the run key its gateway accepts (empty otherwise)"))
 
-    @extend_schema(operation_id="ingest_run_retrieve", responses={200: Output, **errors(401)})
+    # Every IngestApi is throttled per run token: each documents the 429 (schemathesis checks it).
+    @extend_schema(operation_id="ingest_run_retrieve", responses={200: Output, **errors(401, 429)})
     def get(self, request):
         run = self.run
         # The last trained step the tracker has: the flow's heartbeat for trainers on other nodes.
@@ -224,7 +225,7 @@ class RunInfoIngestApi(IngestApi):
 class DatasetRowsIngestApi(IngestApi):
     @extend_schema(operation_id="ingest_dataset_rows", responses={
         (200, "application/jsonl"): OpenApiResponse(OpenApiTypes.BINARY, description="one JSON row per line"),
-        **errors(401)})
+        **errors(401, 429)})
     def get(self, request):
         from django.http import FileResponse
 
@@ -250,7 +251,7 @@ class NodeCredentialIngestApi(IngestApi):
         credential = serializers.CharField(help_text="shown once; only its hash is kept")
 
     @extend_schema(operation_id="ingest_node_credential", request=InputSerializer,
-                   responses={201: Output, **errors(400, 401, 403)})
+                   responses={201: Output, **errors(400, 401, 403, 429)})
     def post(self, request):
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
