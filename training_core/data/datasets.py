@@ -203,6 +203,8 @@ def load_data(spec_data: Any, seed: int) -> LoadedData:
         if not rows:
             raise DatasetError(f"data.source {spec_data.source!r} has no rows")
         train, evals = split_by_question(rows, spec_data.eval_size, seed)
+        if getattr(spec_data, "allow_eval_overlap", False):
+            train = rows  # in-sample on purpose: the eval questions stay in the pool too
     return held_out(train, {DEFAULT_EVAL_SET: evals},
                     allow_overlap=bool(getattr(spec_data, "allow_eval_overlap", False)),
                     source=spec_data.source)
@@ -276,7 +278,11 @@ def held_out(train: list[dict[str, Any]], eval_sets: dict[str, list[dict[str, An
 
 def warm_start_rows(spec_data: Any, seed: int) -> list[dict[str, Any]]:
     """Rows for a supervised warm start (training_core/sft.py): another draw than the RL run's
-    first (seed + 1), without the RL run's eval questions, which no training may see."""
+    first (seed + 1), without the RL run's eval questions, which no training may see; unless
+    the spec evaluates in-sample on purpose (``data.allow_eval_overlap``): the warm start is
+    training too, and then sees them as the RL run does."""
+    if getattr(spec_data, "allow_eval_overlap", False):
+        return load_data(spec_data, seed + 1).train + load_data(spec_data, seed).eval
     held = {question_key(r["question"]) for r in load_data(spec_data, seed).eval}
     return [r for r in load_data(spec_data, seed + 1).train
             if question_key(r["question"]) not in held]

@@ -131,6 +131,15 @@ def test_an_intended_overlap_is_kept_and_measured():
     assert data.overlap["heldout"] == 1.0  # every question of this space is in the pool
 
 
+def test_an_intended_overlap_keeps_a_files_eval_questions_in_the_pool(tmp_path):
+    rows = [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(50)]
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    data = load_data(DataSpec(source=f"jsonl:{path}", eval_size=10, allow_eval_overlap=True),
+                     seed=0)
+    assert len(data.eval) == 10
+    assert len(data.train) == 50 and data.overlap["heldout"] == 1.0
+
+
 def test_an_overlap_the_spec_did_not_allow_is_an_error():
     from training_core.data.datasets import held_out
 
@@ -176,6 +185,10 @@ def test_the_warm_start_never_sees_the_rl_runs_eval_questions(tmp_path):
         asked = {question_key(r["question"]) for r in load_data(spec, seed=4).eval}
         rows = warm_start_rows(spec, seed=4)
         assert asked and rows and not asked & {question_key(r["question"]) for r in rows}
+        # in-sample on purpose: the warm start trains on them as the RL run does
+        spec = spec.model_copy(update={"allow_eval_overlap": True})
+        asked = {question_key(r["question"]) for r in load_data(spec, seed=4).eval}
+        assert asked <= {question_key(r["question"]) for r in warm_start_rows(spec, seed=4)}
 
 
 def test_trained_questions_measure_what_training_batches_held():
