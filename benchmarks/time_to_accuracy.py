@@ -91,7 +91,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vs_trl import CORES  # noqa: E402
+from vs_trl import CORES, side_env  # noqa: E402
 from vs_trl import SYSTEMS as VS_TRL_SYSTEMS  # noqa: E402
 
 QUESTION = "State the final answer to the following arithmetic problem: {a} {op} {b} ="
@@ -325,38 +325,11 @@ def run_trl(task: dict[str, Any], pool: Path, seed: int, steps: int, points: lis
 
 def score_point(spec, model_dir: Path, weights_dir: Path, rows: list[dict[str, str]]) -> list[int]:
     """1/0 per held-out row: greedy, by the embedded engine in this process, prompted and scored
-    as ``offline_eval.evaluate_weights`` does (which returns only the aggregate)."""
-    import asyncio
-
+    as the platform's offline evaluation does (``offline_eval.score_weights``)."""
     from training_core.evaluation import CORRECT
-    from training_core.rewards.registry import resolve_reward
-    from training_core.rollout_server.generation_engine import GenerationEngine, Seq
-    from training_core.workflows.base import render_prompt
+    from training_core.offline_eval import score_weights
 
-    reward = resolve_reward(spec.reward.fn, spec.reward.extract)
-    engine = GenerationEngine(str(model_dir), dtype=spec.model.dtype)
-
-    async def greedy(prompts: list[list[int]]) -> list[dict]:
-        loop = asyncio.get_running_loop()
-        futures = []
-        for i, ids in enumerate(prompts):
-            future = loop.create_future()
-            engine.submit(Seq(rid=f"tta-{i}", prompt=list(ids), max_new_tokens=spec.rollout.max_new_tokens,
-                              temperature=0.0, top_p=1.0, top_k=-1, stop_ids=set(),
-                              ignore_eos=False, future=future, loop=loop))
-            futures.append(future)
-        return list(await asyncio.gather(*futures))
-
-    try:
-        loaded = engine.update_weights(str(weights_dir), None)
-        if not loaded["success"]:
-            raise ValueError(f"weights in {weights_dir}: {loaded['message']}")
-        prompts = [render_prompt(engine.tokenizer, r, spec.data.prompt_template,
-                                 spec.data.chat_template) for r in rows]
-        outs = asyncio.run(greedy(prompts))
-    finally:
-        engine.shutdown()
-    return [int(float(reward(o["text"], r)) >= CORRECT) for o, r in zip(outs, rows, strict=True)]
+    return [int(s >= CORRECT) for s in score_weights(spec, model_dir, weights_dir, rows)]
 
 
 # ---- the report (pure: tests build it from hand-made curves) -------------------------------
@@ -487,7 +460,7 @@ def _side(system: str, mode: str, pool: Path, seed: int, steps: int, points: lis
                     "--pool", str(pool), "--seed", str(seed), "--steps", str(steps),
                     "--save-at", ",".join(map(str, points)), "--work-dir", str(work),
                     "--async-staleness", str(async_staleness), "--result", str(result)],
-                   check=True, cwd=ROOT)
+                   check=True, cwd=ROOT, env=side_env())
     return json.loads(result.read_text())
 
 

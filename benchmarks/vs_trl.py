@@ -230,6 +230,19 @@ def oolong_result(rows: list[dict[str, Any]], workload: str, staleness: int, num
 # ---- the benchmark -------------------------------------------------------------------------
 
 
+# A parent that has joined a process group (a test that trained in process, torchrun) leaves
+# these in its environment; a side inheriting them would take itself for one rank of a world
+# (accelerate, under TRL, then waits for MASTER_ADDR). Each side starts as a world of its own.
+DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                   "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE")
+
+
+def side_env() -> dict[str, str]:
+    """This process's environment without a process group's variables (DISTRIBUTED_ENV)."""
+    return {k: v for k, v in os.environ.items()
+            if k not in DISTRIBUTED_ENV and not k.startswith("TORCHELASTIC_")}
+
+
 def _side(system: str, workload: str, model: Path, steps: int, seed: int, work: Path,
           overrides: list[str]) -> dict:
     """One system in a fresh process (no state shared between systems)."""
@@ -237,7 +250,7 @@ def _side(system: str, workload: str, model: Path, steps: int, seed: int, work: 
     argv = [sys.executable, __file__, "--side", system, "--workload", workload, "--model",
             str(model), "--steps", str(steps), "--seed", str(seed), "--work-dir", str(work),
             "--result", str(result), *[f"--oolong-set={o}" for o in overrides]]
-    subprocess.run(argv, check=True, cwd=ROOT)
+    subprocess.run(argv, check=True, cwd=ROOT, env=side_env())
     return json.loads(result.read_text())
 
 
