@@ -53,7 +53,7 @@ def _spec(args: argparse.Namespace):
 def cmd_train(args: argparse.Namespace) -> int:
     from training_core.config import load_spec
     from training_core.train import train
-    from training_core.world import finish_distributed
+    from training_core.world import finish_distributed, rank_and_world
 
     if args.resume:
         spec_path = Path(args.resume) / "spec.yaml"
@@ -66,11 +66,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         spec = _spec(args)
         result = train(spec, progress=not args.no_progress)
+    world = rank_and_world()[1]
     finish_distributed()
     print(f"run directory: {result.run_dir}")
     if result.first_eval and result.last_eval:
         print(f"greedy eval accuracy: {result.first_eval['eval/accuracy']:.1%} -> "
               f"{result.last_eval['eval/accuracy']:.1%}")
+    if world > 1:
+        # A rank of a finished run leaves without the interpreter's teardown: a native thread
+        # still joinable at exit (DeepSpeed's, gloo's) aborts it ("terminate called without an
+        # active exception", seen on a loaded 2-core host) and torchrun then reports the
+        # finished run as failed. Everything the run writes is closed by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
