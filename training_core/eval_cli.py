@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,6 @@ def stored_eval(run_dir: str | Path, *, version: int | None = None, data: str | 
                 name: str | None = None, samples: int | None = None, k: int | None = None,
                 limit: int | None = None, allow_overlap: bool = False) -> dict[str, Any]:
     """``{"run_dir", "version", "set", "metrics"}`` for one stored version on one eval set."""
-    from training_core.checkpoint import pushed_weights
     from training_core.config import load_spec
     from training_core.data.datasets import (
         distinct_questions,
@@ -34,8 +36,8 @@ def stored_eval(run_dir: str | Path, *, version: int | None = None, data: str | 
         load_run_data,
         overlap_fraction,
     )
+    from training_core.export import weight_sources
     from training_core.metric_names import DEFAULT_EVAL_SET
-    from training_core.models.paths import run_model_dir
     from training_core.offline_eval import evaluate_version
 
     run_dir = Path(run_dir)
@@ -43,12 +45,13 @@ def stored_eval(run_dir: str | Path, *, version: int | None = None, data: str | 
         raise EvalCommandError(f"run directory {run_dir}: no spec.yaml there (give the folder a "
                                "run wrote, e.g. runs/demo-20261122-101500)")
     spec = load_spec(run_dir / "spec.yaml", [])
-    weights = dict(pushed_weights(run_dir))
+    sources = weight_sources(run_dir)  # pushed weights, checkpoints, the starting model
     if version is None:
-        version = max(weights, default=0)
-    if version != 0 and version not in weights:
+        version = max(sources)
+    if version not in sources:
         raise EvalCommandError(f"--version {version}: the run stored no such weights; it has "
-                               f"{sorted(weights) or 'none'} (0 is the starting model)")
+                               f"{sorted(sources)} (0 is the starting model; a version's pushed "
+                               "weights are retired two pushes later, its checkpoint stays)")
     samples = spec.eval.samples if samples is None else samples
     k = (spec.eval.k if samples == spec.eval.samples else None) if k is None else k
     if samples < 0 or (k is not None and not 1 <= k <= samples):
@@ -78,10 +81,28 @@ def stored_eval(run_dir: str | Path, *, version: int | None = None, data: str | 
     rows = rows[:limit] if limit else rows
     if not rows:
         raise EvalCommandError(f"eval set {set_name!r} has no rows (data.eval_size, --data)")
-    metrics = evaluate_version(spec, run_model_dir(spec, run_dir), weights.get(version),
-                               {set_name: rows}, version=version, samples=samples, k=k,
-                               overlap={set_name: overlap})
+    with _weights_of(run_dir, spec, sources[version]) as (model_dir, weights_dir):
+        metrics = evaluate_version(spec, model_dir, weights_dir, {set_name: rows},
+                                   version=version, samples=samples, k=k,
+                                   overlap={set_name: overlap})
     return {"run_dir": str(run_dir), "version": version, "set": set_name, "metrics": metrics}
+
+
+@contextmanager
+def _weights_of(run_dir: Path, spec: Any, source: Any) -> Iterator[tuple[Path, Path | None]]:
+    """(model folder, weights folder to load over it) for one version: the served file as it is;
+    a checkpoint exported first (``training_core.export``: its fp32 weights, a LoRA adapter
+    merged) into a temporary model folder; the starting model as the run's model folder."""
+    from training_core.export import export_version
+    from training_core.models.paths import run_model_dir
+
+    if source.kind != "checkpoint":
+        yield run_model_dir(spec, run_dir), source.path if source.kind == "pushed" else None
+        return
+    with tempfile.TemporaryDirectory(prefix="oolong-eval-") as tmp:
+        out = Path(tmp) / "model"
+        export_version(run_dir, source.version, out, merge=spec.model.lora is not None)
+        yield out, None
 
 
 def cmd_eval(args: Any) -> int:

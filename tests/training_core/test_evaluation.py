@@ -249,7 +249,8 @@ def test_evaluation_runs_beside_training_on_every_eval_set(tmp_path):
     questions reaches a training batch; and the trainer did not wait for the evaluations: the
     next push waited less (time/eval_wait_s) than each evaluation took (eval/seconds), since the
     next step's batch and update ran beside it (a loop that evaluated in line would wait all of
-    it). ``oolong eval --name`` re-evaluates the named set of the finished run."""
+    it). ``oolong eval --name`` re-evaluates the named set of the finished run, and ``--version``
+a version only a checkpoint still holds."""
     import json
 
     from training_core import metric_names as M
@@ -260,7 +261,8 @@ def test_evaluation_runs_beside_training_on_every_eval_set(tmp_path):
 
     base = ["model.path=tiny", "rollout.max_new_tokens=8", "rollout.max_concurrent=8",
             "rollout.group_size=2", "trainer.batch_groups=2", "trainer.steps=3",
-            "checkpoint.every=0", "data.size=2000", "data.options={max_value: 9}",
+            "checkpoint.every=1", "checkpoint.keep=3", "data.size=2000",
+            "data.options={max_value: 9}",
             "eval.every=1", "eval.size=6", "reward.fn=builtin:arithmetic",
             "reward.executor=inline", f"run_dir={tmp_path / 'run'}"]
     plain = load_spec(None, base)
@@ -292,3 +294,13 @@ def test_evaluation_runs_beside_training_on_every_eval_set(tmp_path):
     assert again["set"] == "extra" and again["version"] == 3
     assert again["metrics"][X["greedy_accuracy"]] == evals[3][X["greedy_accuracy"]]
     assert main(["eval", str(result.run_dir), "--name", "nope"]) == 2
+
+    # Version 1's pushed weights were retired two pushes later: its checkpoint answers, with
+    # the accuracy the run measured through its server at that version.
+    from training_core.export import weight_sources
+
+    assert weight_sources(result.run_dir)[1].kind == "checkpoint"
+    assert main(["eval", str(result.run_dir), "--version", "1", "--out", str(out)]) == 0
+    old = json.loads(out.read_text())
+    assert old["version"] == 1
+    assert old["metrics"][H["greedy_accuracy"]] == evals[1][H["greedy_accuracy"]]
