@@ -129,13 +129,21 @@ def create_app(engine: EngineProcess, tokenizer: Any, *, key: str | None = None,
         rids = body.rid if isinstance(body.rid, list) else [
             f"{body.rid}-{i}" if body.rid and batch else body.rid for i in range(len(rows))]
         rids = [r or f"{uuid.uuid4().hex[:8]}-{next(counter)}" for r in rids]
+        flag = body.return_logprob
+        logprobs_asked = [bool(f) for f in flag] if isinstance(flag, list) else [bool(flag)] * len(rows)
+        if len(logprobs_asked) != len(rows):
+            return _error(400, "return_logprob list must match the input_ids batch")
         if body.stream:  # streaming.py: events as the tokens are sampled
             if batch:
                 return _error(400, "stream: one input per streamed request on the embedded server")
             return StreamingResponse(streaming.events(engine, tokenizer, rids[0], rows[0],
-                                                      sampling[0]),
+                                                      sampling[0],
+                                                      return_logprob=logprobs_asked[0]),
                                      media_type="text/event-stream")
         out = await engine.generate(list(zip(rids, rows, sampling, strict=True)))
+        for item, asked in zip(out, logprobs_asked, strict=True):
+            if not asked:  # SGLang adds them only when asked (TokenizerManager)
+                item["meta_info"].pop("output_token_logprobs", None)
         # Already plain JSON types: a JSONResponse skips FastAPI's jsonable_encoder, which walked
         # every [logprob, token, None] triple in Python (42% of the front end's request handling
         # in a py-spy profile).

@@ -17,7 +17,8 @@ from training_core.rollout_server.engine_process import EngineProcess
 
 
 async def events(engine: EngineProcess, tokenizer: Any, rid: str, input_ids: list[int],
-                 sampling: dict[str, Any]) -> AsyncIterator[bytes]:
+                 sampling: dict[str, Any], *, return_logprob: bool = True) -> AsyncIterator[bytes]:
+    """``return_logprob`` false: no ``output_token_logprobs`` in any event, as SGLang."""
     ids: list[int] = []
     logprobs: list[float] = []
     finished = False
@@ -26,18 +27,21 @@ async def events(engine: EngineProcess, tokenizer: Any, rid: str, input_ids: lis
         async for item in stream:
             if isinstance(item, dict):  # the response: as the non-streamed one
                 finished = True
+                if not return_logprob:
+                    item["meta_info"].pop("output_token_logprobs", None)
                 yield b"data: " + json.dumps(item).encode() + b"\n\n"
                 break
             new_ids, new_lps = item
             ids += new_ids
             logprobs += new_lps
+            meta = {"id": rid, "finish_reason": None, "prompt_tokens": len(input_ids),
+                    "completion_tokens": len(ids)}
+            if return_logprob:
+                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
+                                                 zip(logprobs, ids, strict=True)]
             yield b"data: " + json.dumps({
                 "text": tokenizer.decode(ids, skip_special_tokens=True), "output_ids": ids,
-                "meta_info": {"id": rid, "finish_reason": None, "prompt_tokens": len(input_ids),
-                              "completion_tokens": len(ids),
-                              "output_token_logprobs": [[lp, t, None] for lp, t in
-                                                        zip(logprobs, ids, strict=True)]},
-            }).encode() + b"\n\n"
+                "meta_info": meta}).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
     finally:
         await stream.aclose()

@@ -40,6 +40,25 @@ def test_generate_returns_sglang_shaped_response(server):
     assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 8
 
 
+def test_logprobs_come_only_when_asked_as_in_sglang(server):
+    """SGLang's TokenizerManager adds output_token_logprobs only for return_logprob; the
+    embedded server used to send them always, so a client that forgot to ask worked here and
+    broke on SGLang. Per row in a batch, too."""
+    body = {"input_ids": [10, 11, 12], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    plain = httpx.post(server + "/generate", json=body, timeout=60).json()
+    assert "output_token_logprobs" not in plain["meta_info"] and len(plain["output_ids"]) == 4
+    batch = httpx.post(server + "/generate", json={**body, "input_ids": [[10, 11], [12, 13]],
+                                                   "return_logprob": [True, False]},
+                       timeout=60).json()
+    assert len(batch[0]["meta_info"]["output_token_logprobs"]) == 4
+    assert "output_token_logprobs" not in batch[1]["meta_info"]
+    events = httpx.post(server + "/generate", json={**body, "stream": True}, timeout=60).text
+    assert "output_ids" in events and "output_token_logprobs" not in events
+    wrong = httpx.post(server + "/generate", json={**body, "input_ids": [[10], [11]],
+                                                   "return_logprob": [True]}, timeout=60)
+    assert wrong.status_code == 400 and "return_logprob" in wrong.text
+
+
 def test_bad_request_is_a_clear_400(server):
     resp = httpx.post(server + "/generate", json={"sampling_params": {}})
     assert resp.status_code == 400 and "input_ids" in resp.text
