@@ -676,5 +676,7 @@ def results_of_load(results: list[Any]) -> list[list[str]]:
 def _check_all(call: str, servers: list[_Server], results: list[Any]) -> None:
     for server, result in zip(servers, results, strict=True):
         if not (isinstance(result, dict) and result.get("success", False)):
-            message = result.get("message") if isinstance(result, dict) else result
+            # SGLang's LoRA routes answer error_message, the others message
+            message = (result.get("message") or result.get("error_message")
+                       if isinstance(result, dict) else result)
             raise RolloutServerError(f"{call} failed on {server.url}: {message}")
