@@ -638,9 +638,6 @@ class RunSpec(_Section):
                     f"{', '.join(unknown)} (its --lora-target-modules takes "
                     f"{', '.join(SGLANG_LORA_TARGETS)}); choose among those, or use "
                     "rollout.backend: embedded")
-        elif self.weight_sync == "distributed":  # not built yet
-            raise ValueError("model.lora: adapters reach the embedded server over weight_sync "
-                             "disk only so far; set weight_sync: disk")
         if self.trainer.zero_stage == 3:
             raise ValueError("model.lora: trainer.zero_stage 3 is not supported with an "
                              "adapter (it is a few MB: use 0, 1 or 2)")

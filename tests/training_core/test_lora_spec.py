@@ -35,7 +35,6 @@ def test_a_bad_value_names_its_field(override, field, words):
 @pytest.mark.parametrize("overrides, field, words", [
     (["rollout.backend=sglang", "weight_sync=distributed"], "weight_sync: disk",
      "no route that loads an adapter over the weight update group"),
-    (["weight_sync=distributed"], "weight_sync: disk", "embedded server"),
     (["rollout.backend=sglang", "model.lora.target_modules=[q_proj, mlp.fc1]"],
      "model.lora.target_modules", "cannot serve an adapter on mlp.fc1"),
     (["trainer.zero_stage=3"], "trainer.zero_stage 3", "a few MB"),
@@ -45,6 +44,11 @@ def test_what_does_not_work_for_adapters_is_refused_naming_the_field(overrides, 
         load_spec(None, ["model.lora.rank=8", *overrides])
     assert field in str(exc.value) and words in str(exc.value)
     load_spec(None, [o for o in overrides if "lora" not in o])  # without an adapter it is fine
+
+
+def test_the_embedded_server_takes_adapters_over_both_syncs():
+    for sync in ("disk", "distributed"):
+        assert load_spec(None, ["model.lora.rank=8", f"weight_sync={sync}"]).weight_sync == sync
 
 
 def test_sglang_serves_adapters_pushed_over_disk():
