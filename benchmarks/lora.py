@@ -7,6 +7,7 @@ every linear projection, alpha 32) and multiplies ``trainer.lr`` by ``--lora-lr-
 LoRA wants about ten times full fine-tuning's learning rate, docs/lora.md).
 
     python benchmarks/lora.py --quick --out bench-results/lora_quick.json
+    python benchmarks/lora.py --smoke --out /tmp/lora_smoke.json   # tiny model: runs, means nothing
 
 Writes {"lora": {...}, "full": {...}, "push_bytes_ratio": r, "step_time_ratio": s,
 "gain_ratio": g, "aims": {...}, "config": {...}}. Per variant: bytes pushed per update (the last
@@ -37,6 +38,11 @@ sys.path.insert(0, str(ROOT))
 TASK = ROOT / "configs" / "learning-chain-sum.yaml"
 QUICK = {"steps": 12, "eval_size": 60}
 LORA = {"rank": 16, "alpha": 32}
+# --smoke: the whole benchmark on the tiny model (a character tokenizer, no chat template) in
+# about a minute, to check it runs to its report; its figures mean nothing.
+SMOKE = ("model.path=tiny", "data.chat_template=false", "rollout.max_new_tokens=8",
+         "rollout.group_size=4", "trainer.batch_groups=2", "rollout.max_concurrent=8")
+SMOKE_SIZES = {"steps": 2, "eval_size": 4}
 AIMS = {"push_bytes_ratio": 0.05, "step_time_ratio": 0.7, "gain_ratio": 0.8}
 
 
@@ -48,12 +54,15 @@ def _learning():
     return module
 
 
-def variant_overrides(variant: str, lr: float, lr_factor: float) -> list[str]:
-    """The spec overrides of one variant (on top of the task's spec)."""
+def variant_overrides(variant: str, lr: float, lr_factor: float,
+                      smoke: bool = False) -> list[str]:
+    """The spec overrides of one variant (on top of the task's spec); ``smoke``: the tiny model
+    on a small batch (:data:`SMOKE`)."""
+    common = list(SMOKE) if smoke else []
     if variant == "full":
-        return []
+        return common
     if variant == "lora":
-        return [f"model.lora.rank={LORA['rank']}", f"model.lora.alpha={LORA['alpha']}",
+        return [*common, f"model.lora.rank={LORA['rank']}", f"model.lora.alpha={LORA['alpha']}",
                 f"trainer.lr={lr * lr_factor}"]
     raise ValueError(f"variant: {variant!r} is not full or lora")
 
@@ -93,7 +102,7 @@ def build_report(full: dict[str, Any], lora: dict[str, Any], config: dict[str, A
 
 
 def run_variant(variant: str, work: Path, *, steps: int | None, eval_size: int | None,
-                lr_factor: float) -> dict[str, Any]:
+                lr_factor: float, smoke: bool = False) -> dict[str, Any]:
     """Train one variant here (the child process) and report it."""
     from training_core.config import load_spec
     from training_core.metrics import read_metrics
@@ -103,7 +112,7 @@ def run_variant(variant: str, work: Path, *, steps: int | None, eval_size: int |
     run_dir = work / variant
     lr = load_spec(TASK).trainer.lr
     spec = learning.task_spec(TASK, run_dir, steps=steps, eval_size=eval_size,
-                              extra=variant_overrides(variant, lr, lr_factor))
+                              extra=variant_overrides(variant, lr, lr_factor, smoke))
     result = train(spec, progress=False)
     task = learning.task_report(spec, result.first_eval, result.last_eval, read_metrics(run_dir),
                                 result.wall_s, learning.seen_in_train(spec, run_dir))
@@ -123,17 +132,21 @@ def main() -> int:
     parser.add_argument("--lora-lr-factor", type=float, default=10.0)
     parser.add_argument("--variant", choices=["full", "lora"], default=None,
                         help="run one variant in this process (what the parent starts)")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"the tiny model, {SMOKE_SIZES['steps']} steps: checks the benchmark "
+                             "runs to its report (its figures mean nothing)")
     parser.add_argument("--out", default="bench-results/lora.json")
     parser.add_argument("--work-dir", default=None)
     args = parser.parse_args()
-    steps = args.steps or (QUICK["steps"] if args.quick else None)
-    eval_size = args.eval_size or (QUICK["eval_size"] if args.quick else None)
+    sizes = SMOKE_SIZES if args.smoke else QUICK if args.quick else {}
+    steps = args.steps or sizes.get("steps")
+    eval_size = args.eval_size or sizes.get("eval_size")
     work = Path(args.work_dir or ROOT / "runs" / f"bench-lora-{time.strftime('%Y%m%d-%H%M%S')}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.variant:
         report = run_variant(args.variant, work, steps=steps, eval_size=eval_size,
-                             lr_factor=args.lora_lr_factor)
+                             lr_factor=args.lora_lr_factor, smoke=args.smoke)
         out.write_text(json.dumps(report, indent=2))
         return 0
     variants = {}
@@ -143,11 +156,13 @@ def main() -> int:
                "--work-dir", str(work), "--lora-lr-factor", str(args.lora_lr_factor)]
         cmd += ["--steps", str(steps)] if steps else []
         cmd += ["--eval-size", str(eval_size)] if eval_size else []
+        cmd += ["--smoke"] if args.smoke else []
         print(f"{variant}: training ...", flush=True)
         subprocess.run(cmd, check=True)
         variants[variant] = json.loads(part.read_text())
     report = build_report(variants["full"], variants["lora"], {
-        "quick": args.quick, "steps": steps, "eval_size": eval_size, "lora": LORA,
+        "quick": args.quick, "smoke": args.smoke, "steps": steps,
+        "eval_size": eval_size, "lora": LORA,
         "lora_lr_factor": args.lora_lr_factor, "task": str(TASK.relative_to(ROOT)),
         "machine": {"cpus": os.cpu_count(), "load_avg_1m_at_end": os.getloadavg()[0]}})
     out.write_text(json.dumps(report, indent=2))

@@ -175,6 +175,9 @@ class WeightReceiver(InferenceEngine, Protocol):
 
     async def load_lora_adapter(self, name: str, path: str, version: int) -> None: ...
 
+    async def load_lora_adapter_from_tensors(self, name: str, config: dict[str, Any],
+                                             version: int) -> None: ...
+
     async def unload_unused_adapters(self) -> list[str]: ...
 
     async def tp_sizes(self) -> list[int]: ...
@@ -219,6 +222,11 @@ class TrainEngine(Protocol):
 
     def weights(self, *, cast: bool = True) -> dict[str, torch.Tensor]:
         """The full weights, for a push (a collective under ZeRO-3)."""
+        ...
+
+    def adapter_weights(self) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """A LoRA run's adapter (tensors in peft's keys, its config), for a push over the
+        weight group instead of :meth:`weights`; None for a full fine-tuning run."""
         ...
 
     def save_weights(self, path: str | Path, *, spare: str | Path | None = None) -> Path:

@@ -47,6 +47,9 @@ class _Section(BaseModel):
 # Llama/Qwen/Mistral-style names: every linear projection of attention and MLP (the usual
 # choice for RL: adapting attention only learns noticeably less, per the LoRA-for-RL ablations).
 LORA_TARGETS_DEFAULT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The modules SGLang 0.5.23's --lora-target-modules accepts for dense models (its
+# SUPPORTED_LORA_TARGET_MODULES, less the MoE/MLA ones; tests check it against the release).
+SGLANG_LORA_TARGETS = (*LORA_TARGETS_DEFAULT, "qkv_proj", "gate_up_proj", "embed_tokens", "lm_head")
 
 
 class LoraSpec(_Section):
@@ -666,6 +669,30 @@ class RunSpec(_Section):
         return resolve_mode(self.trainer.recompute_proximal, backend=self.rollout.backend,
                             dtype=self.model.dtype)
 
+    def _check_lora(self) -> None:
+        """What serves and pushes an adapter (docs/lora.md has the matrix): refused where it
+        does not work, naming the field and the fix."""
+        lora = self.model.lora
+        if self.rollout.backend == "sglang":
+            if self.weight_sync == "distributed":
+                raise ValueError(
+                    "model.lora with rollout.backend sglang needs weight_sync: disk. SGLang "
+                    "0.5.23 has no route that loads an adapter over the weight update group: "
+                    "/update_weights_from_distributed writes base weights only, and "
+                    "/load_lora_adapter_from_tensors takes the tensors inside the request, "
+                    "serialized for processes on its own machine. Set weight_sync: disk (the "
+                    "adapter is a few MB; the servers read it from the shared run directory)")
+            unknown = [m for m in lora.target_modules if m.rsplit(".", 1)[-1] not in SGLANG_LORA_TARGETS]
+            if unknown:
+                raise ValueError(
+                    f"model.lora.target_modules: SGLang 0.5.23 cannot serve an adapter on "
+                    f"{', '.join(unknown)} (its --lora-target-modules takes "
+                    f"{', '.join(SGLANG_LORA_TARGETS)}); choose among those, or use "
+                    "rollout.backend: embedded")
+        if self.trainer.zero_stage == 3:
+            raise ValueError("model.lora: trainer.zero_stage 3 is not supported with an "
+                             "adapter (it is a few MB: use 0, 1 or 2)")
+
     @model_validator(mode="after")
     def _cross_checks(self) -> RunSpec:
         from training_core.algorithms.presets import PRESETS  # dataclasses only, no torch
@@ -676,16 +703,7 @@ class RunSpec(_Section):
                 f"rollout.group_size 1 gives algorithm.preset {self.algorithm.preset!r} no group "
                 "baseline (every advantage is 0): use group_size >= 2, or preset ppo_kl")
         if self.model.lora is not None:
-            # Not built yet for adapters (docs/lora.md): say so instead of training the wrong thing.
-            if self.weight_sync != "disk":
-                raise ValueError("model.lora: adapters are pushed over weight_sync disk only so "
-                                 "far; set weight_sync: disk")
-            if self.rollout.backend != "embedded":
-                raise ValueError("model.lora: adapters are served by the embedded backend only so "
-                                 "far; set rollout.backend: embedded")
-            if self.trainer.zero_stage == 3:
-                raise ValueError("model.lora: trainer.zero_stage 3 is not supported with an "
-                                 "adapter (it is a few MB: use 0, 1 or 2)")
+            self._check_lora()
         return self
 
 

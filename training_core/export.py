@@ -239,6 +239,44 @@ def _weights_only(*, force: bool = False) -> Iterator[None]:
                 os.environ[FORCE_WEIGHTS_ONLY] = before
 
 
+# ---- a run whose files are on another node: its durable checkpoint store ---------------------
+
+def stage_from_store(store: Any, spec: RunSpec, version: int | str, dest: str | Path, *,
+                     step_versions: dict[int, int],
+                     evaluations: dict[int, dict[str, float]] | None = None) -> Path:
+    """A run directory at ``dest`` holding what :func:`export_version` reads, made from the
+    run's durable checkpoint store (``training_core.checkpoint_store``) where its own directory
+    is on another node: the spec, the checkpoint of the asked version (``latest``: the newest
+    the store holds; ``best``: the best evaluated one it holds), the warm-started starting model
+    where the store has it, and a ``metrics.jsonl`` of the steps' versions. ``step_versions``
+    (step -> version) and ``evaluations`` are the caller's record of the run (the web app's
+    tracker): the store keeps checkpoints, not metrics. Refused, naming what is missing, when
+    the store holds no checkpoint of a known version."""
+    from training_core.config import dump_spec
+
+    dest = Path(dest)
+    held = {step_versions[step]: (step, tag) for step, tag in store.complete()
+            if step in step_versions}
+    if not held:
+        raise ExportError(
+            f"run: its files are on another node and the checkpoint store {store.url} holds no "
+            f"complete checkpoint of it with a known version (checkpoints there: "
+            f"{[t for _, t in store.complete()] or 'none'}); checkpoint.every > 0 makes them, "
+            "or export on the node that ran it", field="run")
+    sources = {v: WeightSource(v, "checkpoint", Path(tag), step) for v, (step, tag) in held.items()}
+    v = resolve_version(version, sources, evaluations or {})
+    step, tag = held[v]
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    dump_spec(spec, dest / "spec.yaml")
+    (dest / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "version": sv}) + "\n" for s, sv in sorted(step_versions.items())))
+    store.download(tag, checkpoint_dir(dest))
+    if store.has_initial_model():  # a warm-started run starts from it, not model.path
+        store.download_initial_model(dest / "initial_model")
+    return dest
+
+
 # ---- writing the folder ------------------------------------------------------------------------
 
 def export_version(run_dir: str | Path, version: int | str, out: str | Path, *,

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from training_core import gpu_memory
-from training_core.config import RunSpec
+from training_core.config import LoraSpec, RunSpec
 from training_core.dtypes import precision, sglang_dtype
 from training_core.ports import free_port
 from training_core.processes import Fleet, ManagedProcess, process_env
@@ -48,7 +48,8 @@ def sglang_python() -> str:
 
 def sglang_server_command(model_path: str, port: int, *, dtype: str, host: str = "127.0.0.1",
                           tp: int = 1, mem_fraction: float | None = None, weight_version: int = 0,
-                          config: Path | None = None, extra: list[str] | None = None) -> list[str]:
+                          config: Path | None = None, lora: LoraSpec | None = None,
+                          extra: list[str] | None = None) -> list[str]:
     """The production rollout server. Flags per SGLang's server arguments (checked against the
     pinned release by tests/training_core/rollout_server/test_sglang_contract.py):
 
@@ -59,7 +60,8 @@ def sglang_server_command(model_path: str, port: int, *, dtype: str, host: str =
     - ``--config``: the run's API key, in a file only the run's user reads (argv is world-readable
       in /proc);
     - it starts at a known ``weight_version`` (the trainer checks it through ``/model_info``), and
-      binds loopback unless it is placed on a node (then the node's address)."""
+      binds loopback unless it is placed on a node (then the node's address);
+    - ``lora`` (a LoRA run, issue 49): :func:`sglang_lora_flags`."""
     cmd = [sglang_python(), "-m", "sglang.launch_server", "--model-path", str(model_path),
            "--host", host, "--port", str(port), "--tp-size", str(tp), "--dtype", sglang_dtype(dtype),
            "--skip-tokenizer-init", "--weight-version", str(weight_version)]
@@ -67,7 +69,28 @@ def sglang_server_command(model_path: str, port: int, *, dtype: str, host: str =
         cmd += ["--mem-fraction-static", str(mem_fraction)]
     if config is not None:
         cmd += ["--config", str(config)]
+    if lora is not None:
+        cmd += sglang_lora_flags(lora)
     return cmd + list(extra or [])
+
+
+# Adapters one running batch may mix: the current version's, and the one before while requests
+# that named it finish (the client unloads an adapter once no request names it).
+SGLANG_LORAS_PER_BATCH = 2
+
+
+def sglang_lora_flags(lora: LoraSpec) -> list[str]:
+    """SGLang 0.5.23's LoRA server arguments for a run that loads its adapters as it trains
+    (none at launch, so the release needs both the rank and the modules up front): LoRA on,
+    ``--max-lora-rank`` the run's rank, ``--lora-target-modules`` its modules (their last name
+    part, which is what SGLang matches), ``--max-loras-per-batch`` :data:`SGLANG_LORAS_PER_BATCH`
+    (its memory pool holds that many adapters). ``--max-loaded-loras`` stays unset: with it the
+    release evicts adapters by itself, and the client's list of what is loaded would be wrong.
+    Names and types checked against the release's own parser
+    (tests/training_core/rollout_server/test_sglang_contract.py)."""
+    modules = list(dict.fromkeys(m.rsplit(".", 1)[-1] for m in lora.target_modules))
+    return ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules",
+            *modules, "--max-loras-per-batch", str(SGLANG_LORAS_PER_BATCH)]
 
 
 def new_server_key() -> str:
@@ -105,7 +128,8 @@ def server_command(spec: RunSpec, model_dir: str, port: int, index: int, *,
                 raise ValueError("an SGLang server's key is written under the run directory")
             config = sglang_key_file(run_dir, index, server_key)
         return sglang_server_command(model_dir, port, dtype=spec.model.dtype, tp=spec.rollout.tp,
-                                     mem_fraction=mem_fraction, config=config, **where)
+                                     mem_fraction=mem_fraction, config=config,
+                                     lora=spec.model.lora, **where)
     return embedded_server_command(model_dir, port, dtype=spec.model.dtype,
                                    threads=spec.rollout.server_threads,
                                    max_batch_size=spec.rollout.max_batch_size,

@@ -55,3 +55,15 @@ def test_variant_report_takes_medians_from_the_run_metrics():
     v = lora.variant_report({"gain": 0.2}, rows, pushed_bytes=1234, peak_rss_mb=900.0)
     assert v["update_s_median"] == 2.0 and v["weight_sync_s_median"] == pytest.approx(0.4)
     assert v["pushed_bytes"] == 1234 and v["peak_rss_mb"] == 900.0 and v["gain"] == 0.2
+
+
+def test_the_smoke_run_is_the_same_benchmark_on_the_tiny_model(tmp_path):
+    lora = benchmark("lora")
+    learning = lora._learning()
+    for variant in ("full", "lora"):
+        extra = lora.variant_overrides(variant, 1e-5, 10.0, smoke=True)
+        spec = learning.task_spec(lora.TASK, tmp_path / variant, steps=2, eval_size=4,
+                                  extra=extra)
+        assert spec.model.path == "tiny" and spec.data.chat_template is False
+        assert (spec.model.lora is not None) == (variant == "lora")
+        assert spec.data.source == "reasoning_gym:chain_sum"  # the task's own rows

@@ -179,3 +179,37 @@ def _validate_one_request(root: Path):
                  "GenerateReqInput": Past(), "EmbeddingReqInput": Past(),
                  "Union": Any, "List": list, "Optional": Any}
     return _compiled(root, "srt/managers/tokenizer_manager.py", "_validate_one_request", namespace)
+
+
+def lora_parser(root: Path) -> tuple[Any, list[str]]:
+    """The release's own argparse for its LoRA server arguments (``fields/lora.py`` through its
+    ``add_cli_args_from_dataclass``), and its ``SUPPORTED_LORA_TARGET_MODULES``. Stand-ins only
+    for the two names it imports from modules that pull in torch (the adapter registry's
+    ``LoRARef``; the module list is read from the release's ``utils/common.py`` by value)."""
+    import argparse
+
+    common = (root / "sglang/srt/utils/common.py").read_text()
+    values = {}
+    for node in ast.parse(common).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and \
+                node.targets[0].id in ("SUPPORTED_LORA_TARGET_MODULES", "LORA_TARGET_ALL_MODULES"):
+            values[node.targets[0].id] = ast.literal_eval(node.value)
+    names = ("sglang", "sglang.srt", "sglang.srt.arg_groups", "sglang.srt.arg_groups.arg_utils",
+             "sglang.srt.arg_groups.argparse_actions", "sglang.srt.lora",
+             "sglang.srt.lora.lora_registry", "sglang.srt.utils", "sglang.srt.utils.common")
+    saved = {k: sys.modules.get(k) for k in names}
+    try:
+        arg_utils = _load(root, "srt/arg_groups/arg_utils.py", "sglang.srt.arg_groups.arg_utils")
+        _load(root, "srt/arg_groups/argparse_actions.py", "sglang.srt.arg_groups.argparse_actions")
+        _stub("sglang.srt.lora.lora_registry", LoRARef=type("LoRARef", (), {}))
+        _stub("sglang.srt.utils.common", **values)
+        fields = _load(root, "srt/arg_groups/fields/lora.py", "sglang_oracle_lora_fields")
+        parser = argparse.ArgumentParser(exit_on_error=False)
+        arg_utils.add_cli_args_from_dataclass(parser, fields.Lora)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                sys.modules.pop(key, None)
+            else:
+                sys.modules[key] = value
+    return parser, values["SUPPORTED_LORA_TARGET_MODULES"]

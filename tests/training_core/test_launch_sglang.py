@@ -102,3 +102,22 @@ def test_a_shared_gpu_gets_a_memory_fraction_sized_for_the_trainer(fake_sglang, 
                     server_key="k")
     (call,) = _recorded(fake_sglang)
     assert "--mem-fraction-static" not in call["argv"] and call["gpus"] == "1"
+
+
+def test_a_lora_run_launches_sglang_with_its_lora_arguments(fake_sglang, tiny_model_dir,
+                                                             tmp_path, monkeypatch):
+    """issue 49: ``oolong train``'s own SGLang for a LoRA run is started ready for the adapters
+    the run loads as it trains (their rank and modules up front: none exists at launch)."""
+    from training_core.run_setup import build_run
+
+    monkeypatch.delenv("OOLONG_SERVER_KEY", raising=False)
+    spec = load_spec(None, [f"model.path={tiny_model_dir}", "rollout.backend=sglang",
+                            "model.lora.rank=8", "model.lora.target_modules=[q_proj, v_proj]",
+                            f"run_dir={tmp_path / 'run'}"])
+    with pytest.raises(RuntimeError, match=r"(?s)rollout server 0 exited with 1"):
+        build_run(spec)
+    (call,) = _recorded(fake_sglang)
+    argv = call["argv"]
+    assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "8"
+    start = argv.index("--lora-target-modules") + 1
+    assert argv[start:start + 3] == ["q_proj", "v_proj", "--max-loras-per-batch"]

@@ -120,3 +120,42 @@ def test_a_lora_runs_export_gives_its_servers_greedy_answers_as_adapter_and_merg
     assert (from_checkpoint.version, from_checkpoint.source) == (2, "checkpoint")
     restored = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32).eval()
     assert greedy(restored) == trimmed
+
+
+def test_a_lora_run_over_the_weight_group_pushes_the_adapter_alone(tiny_model_dir, tmp_path):
+    """weight_sync distributed with an adapter (gloo on CPU): the trainer and one embedded
+    server, two processes; each push broadcasts the adapter's tensors and nothing else (the
+    server counts the bytes it received), the server serves each version's adapter by name and
+    unloads the older ones, a resume pushes its checkpoint's adapter again, and no weights
+    folder is written."""
+    from training_core.train import train
+
+    fleet, url = start_server(tiny_model_dir, tmp_path / "server.log")
+    run_dir = tmp_path / "run"
+    common = [*LORA, f"run_dir={run_dir}", f"rollout.server_urls=[{url}]",
+              "weight_sync=distributed"]
+    try:
+        train(load_spec(None, [*common, "trainer.steps=2"]), progress=False)
+        # a resume pushes its checkpoint's adapter again under the name the server holds
+        train(load_spec(None, [*common, "trainer.steps=3"]), resume_dir=run_dir, progress=False)
+        info = httpx.get(url + "/server_info").json()
+        probes = {name: httpx.post(url + "/generate", json={
+            "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}, "lora_path": name})
+            for name in ("v2", "v3")}
+    finally:
+        fleet.stop()
+    steps = [r for r in read_metrics(run_dir) if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2, 3] and all(r["tokens/consumed"] > 0 for r in steps)
+    assert info["weight_version"] == "3" and not (run_dir / "weights").exists()
+    assert probes["v3"].status_code == 200 and probes["v2"].status_code == 400
+    # the adapter's bytes, from the model's shapes: rank 4 on the 7 projections, fp32
+    c = json.loads((tiny_model_dir / "config.json").read_text())
+    h, inter = c["hidden_size"], c["intermediate_size"]
+    hd = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c.get("num_key_value_heads", c["num_attention_heads"]) * hd
+    ins_outs = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
+    per_push = 4 * 4 * sum(i + o for i, o in ins_outs) * c["num_hidden_layers"]
+    pushes = info["weight_group_updates_received"]
+    assert pushes >= 4 and info["weight_group_bytes_received"] == per_push * pushes
+    model_bytes = sum(p.stat().st_size for p in tiny_model_dir.glob("*.safetensors"))
+    assert per_push < model_bytes / 10

@@ -32,12 +32,26 @@ def test_a_bad_value_names_its_field(override, field, words):
     assert field in exc.value.errors and words in exc.value.errors[field]
 
 
-@pytest.mark.parametrize("override, words", [
-    ("weight_sync=distributed", "weight_sync: disk"),
-    ("rollout.backend=sglang", "rollout.backend: embedded"),
-    ("trainer.zero_stage=3", "trainer.zero_stage 3"),
+@pytest.mark.parametrize("overrides, field, words", [
+    (["rollout.backend=sglang", "weight_sync=distributed"], "weight_sync: disk",
+     "no route that loads an adapter over the weight update group"),
+    (["rollout.backend=sglang", "model.lora.target_modules=[q_proj, mlp.fc1]"],
+     "model.lora.target_modules", "cannot serve an adapter on mlp.fc1"),
+    (["trainer.zero_stage=3"], "trainer.zero_stage 3", "a few MB"),
 ])
-def test_what_is_not_built_for_adapters_is_refused_naming_it(override, words):
-    with pytest.raises(SpecError, match=words):
-        load_spec(None, ["model.lora.rank=8", override])
-    load_spec(None, [override])  # without an adapter it is fine
+def test_what_does_not_work_for_adapters_is_refused_naming_the_field(overrides, field, words):
+    with pytest.raises(SpecError) as exc:
+        load_spec(None, ["model.lora.rank=8", *overrides])
+    assert field in str(exc.value) and words in str(exc.value)
+    load_spec(None, [o for o in overrides if "lora" not in o])  # without an adapter it is fine
+
+
+def test_the_embedded_server_takes_adapters_over_both_syncs():
+    for sync in ("disk", "distributed"):
+        assert load_spec(None, ["model.lora.rank=8", f"weight_sync={sync}"]).weight_sync == sync
+
+
+def test_sglang_serves_adapters_pushed_over_disk():
+    spec = load_spec(None, ["model.lora.rank=8", "rollout.backend=sglang", "weight_sync=disk",
+                            "model.lora.target_modules=[self_attn.q_proj, v_proj]"])
+    assert spec.model.lora.rank == 8 and spec.rollout.backend == "sglang"

@@ -205,3 +205,62 @@ def test_a_lost_export_does_not_hold_the_run_for_ever(api, finished):
         created_at=timezone.now() - timedelta(seconds=EXPORT_STALE_S + 1))
     assert api.post(f"/api/runs/{finished.id}/export/", {"version": "2"},
                     format="json").status_code == 202
+
+
+@pytest.fixture
+def remote(run, tmp_path, monkeypatch):
+    """``run`` finished on another node: no run directory on this worker, its checkpoint of step
+    2 (version 2: a real DeepSpeed checkpoint of perturbed tiny weights) in the durable store
+    (the local-filesystem form of ``$OOLONG_CHECKPOINT_STORE``), its versions in the tracker.
+    Returns the weights the checkpoint holds."""
+    from training_core.checkpoint_store import STORE_ENV, CheckpointStore
+    from training_core.models.paths import resolve_model_dir
+    from training_core.trainer.deepspeed_trainer import DeepSpeedTrainer
+
+    monkeypatch.setenv("OOLONG_RUNS_DIR", str(tmp_path / "runs"))  # nothing there
+    url = f"file://{tmp_path / 'store'}"
+    monkeypatch.setenv(STORE_ENV, url)
+    trainer = DeepSpeedTrainer(resolve_model_dir("tiny"), lr=1e-3, weight_decay=0.0,
+                               grad_clip=1.0, zero_stage=0)
+    with torch.no_grad():
+        for p in trainer.engine.module.parameters():
+            p.add_(0.02)
+    sent = {k: v.clone() for k, v in trainer.weights().items()}
+    trainer.save_checkpoint(tmp_path / "node" / "checkpoints", "step2", {"version": 2})
+    store = CheckpointStore(url, f"run-{run.id}")
+    store.upload(tmp_path / "node" / "checkpoints" / "step2", "step2")
+    store.mark_complete("step2")
+    metrics_ingest(run=run, points=[{"key": "version", "step": s, "value": s} for s in (1, 2, 3)])
+    run_status_set(run=run, status="running")
+    run_status_set(run=run, status="succeeded")
+    return sent
+
+
+def test_a_run_that_trained_on_another_node_is_exported_from_its_checkpoint_store(
+        api, run, remote, monkeypatch, tmp_path):
+    m = _export(api, run, "latest")
+    assert (m["status"], m["version"], m["step"], m["source"]) == ("ready", 2, 2, "checkpoint"), m
+    assert m["lineage"]["run"]["dir"].startswith("file://") and m["lineage"]["run"]["id"] == run.id
+    got = load_file(str(ModelVersion.objects.get(id=m["id"]).path + "/model.safetensors"))
+    for name, tensor in remote.items():
+        assert torch.equal(got[name], tensor), name
+    # nothing of the staging is left in the model store
+    from webapp.registry.services import model_store
+    assert not any((model_store() / ".staging").glob("*"))
+    # a version the store does not hold is refused naming what it holds
+    gone = _export(api, run, "3")
+    assert gone["status"] == "failed" and "held: [2]" in gone["error"], gone["error"]
+
+
+def test_a_remote_run_without_a_store_or_checkpoints_says_what_is_missing(api, run, remote,
+                                                                          monkeypatch, tmp_path):
+    from training_core.checkpoint_store import STORE_ENV
+
+    monkeypatch.setenv(STORE_ENV, f"file://{tmp_path / 'empty-store'}")
+    empty = _export(api, run, "latest")
+    assert empty["status"] == "failed" and empty["error"].startswith("run: ")
+    assert "holds no complete checkpoint" in empty["error"] and "checkpoint.every" in empty["error"]
+    monkeypatch.delenv(STORE_ENV)
+    none = _export(api, run, "latest")
+    assert none["status"] == "failed" and STORE_ENV in none["error"], none["error"]
+    assert "not on this worker" in none["error"]

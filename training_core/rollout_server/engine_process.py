@@ -39,12 +39,19 @@ from typing import Any
 
 import torch
 
+from training_core.dtypes import torch_dtype
+from training_core.rollout_server import lora
 from training_core.rollout_server.generation_engine import GenerationEngine, Seq
 from training_core.rollout_server.requests import context_problem
 from training_core.transport.weight_group import (
+    broadcast_from_trainer,
     destroy_weight_update_group,
+    flat_nbytes,
     init_weight_update_group,
+    unflatten,
 )
+
+TENSOR_ADAPTER = "__tensor__"  # SGLang's lora_path of an adapter loaded from tensors (LoRARef)
 
 log = logging.getLogger("oolong.server")
 
@@ -135,12 +142,19 @@ class _EngineHost:
     CALLS = ("pause", "resume", "update_weights_from_disk", "init_weights_update_group",
              "update_weights_from_distributed", "destroy_weights_update_group",
              "get_weights_by_name", "stats", "abort_request", "flush_cache", "apply_adapter",
-             "set_weight_version")
+             "set_weight_version", "load_received_adapter", "forget_adapter")
 
     def __init__(self, engine: GenerationEngine, link: _Link):
         self.engine, self.link = engine, link
         self.loop = _PipeLoop(link)
         self.groups: dict[str, Any] = {}
+        # [issue 49] an adapter's tensors received over the weight group, until
+        # /load_lora_adapter_from_tensors names them; then kept by name (a few MB each) so
+        # the newest left can be served again when the one serving is unloaded
+        self.received_adapter: dict[str, torch.Tensor] = {}
+        self.tensor_adapters: dict[str, tuple[dict, dict[str, torch.Tensor]]] = {}
+        self.group_bytes = 0  # received over weight groups, for /server_info
+        self.group_updates = 0
 
     def info(self) -> dict[str, Any]:
         e = self.engine
@@ -207,7 +221,56 @@ class _EngineHost:
         if group is None:
             return {"success": False, "message": f"no weight update group {group_name!r}: call "
                                                  "/init_weights_update_group first"}
-        return self.engine.update_weights_from_group(group, **kwargs)
+        if lora.is_adapter(kwargs["names"]):
+            return self._receive_adapter(group, **kwargs)
+        result = self.engine.update_weights_from_group(group, **kwargs)
+        if result.get("success"):
+            self._received(kwargs["dtypes"], kwargs["shapes"])
+        return result
+
+    def _received(self, dtypes: list[str], shapes: list[list[int]]) -> None:
+        self.group_bytes += flat_nbytes([torch_dtype(d) for d in dtypes], shapes)
+        self.group_updates += 1
+
+    def _receive_adapter(self, group: Any, names: list[str], dtypes: list[str],
+                         shapes: list[list[int]], flattened: bool = False,
+                         **_: Any) -> dict:
+        """[issue 49] A LoRA run's adapter over the weight group: received into tensors on the
+        engine's device (NCCL takes no CPU tensors, as for the model's own weights) and held
+        until ``/load_lora_adapter_from_tensors`` names it; the served weights stay as they are
+        (a version's adapter may come in several buckets)."""
+        try:
+            kinds = [torch_dtype(d) for d in dtypes]
+            if flattened:
+                flat = torch.empty(flat_nbytes(kinds, shapes), dtype=torch.uint8,
+                                   device=self.engine.device)
+                broadcast_from_trainer(group, [flat])
+                tensors = unflatten(flat, kinds, shapes)  # views of a buffer of their own
+            else:
+                tensors = [torch.empty(shape, dtype=k, device=self.engine.device)
+                           for k, shape in zip(kinds, shapes, strict=True)]
+                broadcast_from_trainer(group, tensors)
+        except (TypeError, ValueError) as exc:
+            return {"success": False, "message": f"cannot allocate the announced tensors: {exc}"}
+        self.received_adapter.update(zip(names, tensors, strict=True))
+        self._received(dtypes, shapes)
+        return {"success": True, "message": f"received {len(names)} adapter tensors; load them "
+                                            "with /load_lora_adapter_from_tensors"}
+
+    def _load_received_adapter(self, name: str, config: dict) -> dict:
+        if not self.received_adapter:
+            return {"success": False, "message": "serialized_named_tensors: empty, and no "
+                    "adapter tensors came over the weight update group (announce them with "
+                    "/update_weights_from_distributed first)"}
+        adapter = (config, self.received_adapter)
+        result = self.engine.apply_adapter(None, adapter=adapter)
+        if result.get("success"):
+            self.tensor_adapters[name] = adapter
+            self.received_adapter = {}
+        return result
+
+    def _forget_adapter(self, name: str) -> None:
+        self.tensor_adapters.pop(name, None)
 
     def _destroy_weights_update_group(self, group_name: str) -> dict:
         group = self.groups.pop(group_name, None)
@@ -216,7 +279,9 @@ class _EngineHost:
         destroy_weight_update_group(group)
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
-    def _apply_adapter(self, path: str | None) -> dict:
+    def _apply_adapter(self, path: str | None, name: str | None = None) -> dict:
+        if path == TENSOR_ADAPTER:  # one received over the weight group, served again
+            return self.engine.apply_adapter(None, adapter=self.tensor_adapters[name])
         return self.engine.apply_adapter(path)
 
     def _set_weight_version(self, version: str, abort_first: bool) -> dict:
@@ -231,7 +296,9 @@ class _EngineHost:
         return params[name].detach()[:truncate_size].float().cpu().tolist()
 
     def _stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), "model_path": self.engine.model_path}
+        return {**self.engine.stats(), "model_path": self.engine.model_path,
+                "weight_group_bytes_received": self.group_bytes,
+                "weight_group_updates_received": self.group_updates}
 
     def _abort_request(self, rid: str) -> None:
         self.engine.abort_request(rid)

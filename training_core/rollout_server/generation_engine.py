@@ -254,20 +254,26 @@ class GenerationEngine:
         return self._weight_update(_WeightRequest(read, version, abort_first, path, model_path=path,
                                                   flush_cache=flush_cache))
 
-    def apply_adapter(self, path: str | None) -> dict:
-        """Serve the base weights merged with the LoRA adapter in ``path`` (None: the base
-        alone); rollout_server/lora.py says why merged. Like an update with ``flush_cache``
-        false: requests paused in place go on under the new weights."""
+    def apply_adapter(self, path: str | None, *,
+                      adapter: tuple[dict, dict[str, torch.Tensor]] | None = None) -> dict:
+        """Serve the base weights merged with the LoRA adapter in ``path``, or ``adapter`` (its
+        config and tensors, received over the weight group); neither: the base alone.
+        rollout_server/lora.py says why merged. Like an update with ``flush_cache`` false:
+        requests paused in place go on under the new weights."""
         from training_core.rollout_server import lora
 
         def read() -> tuple[dict[str, torch.Tensor], None]:  # on the engine thread
             own = self.model.state_dict()
-            deltas = lora.read_deltas(path, own) if path is not None else {}
+            if adapter is not None:
+                deltas = lora.deltas(*adapter, own)
+            else:
+                deltas = lora.read_deltas(path, own) if path is not None else {}
             for name in deltas.keys() - self._lora_base.keys():  # untouched so far: the base
                 self._lora_base[name] = own[name].detach()
             return {**self._lora_base, **lora.merged(self._lora_base, deltas)}, None
 
-        return self._weight_update(_WeightRequest(read, None, False, f"adapter {path}",
+        return self._weight_update(_WeightRequest(read, None, False,
+                                                  f"adapter {path or 'from the weight group'}",
                                                   flush_cache=False))
 
     def set_weight_version(self, version: str, *, abort_first: bool = False) -> dict:

@@ -38,15 +38,31 @@ def read_deltas(folder: str | Path, weights: dict[str, torch.Tensor]) -> dict[st
     except (OSError, ValueError) as exc:
         raise AdapterError(f"lora_path: no peft adapter at {folder} ({ADAPTER_CONFIG} and "
                            f"{ADAPTER_FILE}): {exc}") from None
+    return deltas(config, tensors, weights, where=str(folder))
+
+
+def is_adapter(names: list[str]) -> bool:
+    """Whether tensors announced under ``names`` are a peft adapter's (every one a ``lora_A`` or
+    ``lora_B`` weight), not the model's own."""
+    return bool(names) and all(".lora_A." in n or ".lora_B." in n for n in names)
+
+
+def deltas(config: dict, tensors: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], *,
+           where: str = "the adapter") -> dict[str, torch.Tensor]:
+    """``{weight name: scale * B @ A}`` of an adapter given as its ``adapter_config.json``
+    (``config``) and its tensors (peft's keys), checked against the model's ``weights``."""
     for key, unsupported in (("use_dora", True), ("fan_in_fan_out", True)):
         if config.get(key) == unsupported:
             raise AdapterError(f"lora_path: {key} adapters are not supported here")
     if config.get("bias", "none") != "none":
         raise AdapterError("lora_path: adapters with trained biases are not supported here")
-    rank = int(config["r"])
+    try:
+        rank = int(config["r"])
+    except (KeyError, TypeError, ValueError):
+        raise AdapterError(f"{where}: its config has no rank (r)") from None
     alpha = float(config.get("lora_alpha", rank))
     scale = alpha / rank ** 0.5 if config.get("use_rslora") else alpha / rank
-    deltas: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     for key, a in tensors.items():
         if ".lora_A." not in key:
             continue
@@ -57,14 +73,14 @@ def read_deltas(folder: str | Path, weights: dict[str, torch.Tensor]) -> dict[st
             raise AdapterError(f"lora_path: {key} has no {'lora_B' if b is None else 'layer'} "
                                "to go with it in this model")
         base = weights[name]
-        delta = (b.float() @ a.float()) * scale
+        delta = (b.float() @ a.float().to(b.device)) * scale
         if delta.shape != base.shape:
             raise AdapterError(f"lora_path: {module} is {tuple(base.shape)} here, the adapter "
                                f"makes {tuple(delta.shape)}")
-        deltas[name] = delta
-    if not deltas:
-        raise AdapterError(f"lora_path: {folder} holds no lora_A/lora_B weights")
-    return deltas
+        out[name] = delta
+    if not out:
+        raise AdapterError(f"lora_path: {where} holds no lora_A/lora_B weights")
+    return out
 
 
 def merged(base: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

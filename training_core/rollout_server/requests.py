@@ -251,6 +251,23 @@ class LoadLoRAAdapterReqIn(BaseModel):
     lora_id: str | None = None
 
 
+class LoadLoRAAdapterFromTensorsReqIn(BaseModel):
+    """SGLang's LoadLoRAAdapterFromTensorsReqInput (io_struct.py). The embedded server takes
+    the tensors over the weight update group only (``serialized_named_tensors`` empty: SGLang's
+    payloads are pickles for processes on its own machine, server.py)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_named_tensors: list[str]
+    pinned: bool = False
+    added_tokens_config: dict[str, int] | None = None
+    lora_id: str | None = None
+    load_format: str | None = None
+    expected_checksums: dict[str, str] | None = None
+
+
 class UnloadLoRAAdapterReqIn(BaseModel):
     """SGLang's UnloadLoRAAdapterReqInput (io_struct.py)."""
 

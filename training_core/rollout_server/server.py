@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from training_core.dtypes import DEFAULT_DTYPE, PRECISIONS
 from training_core.rollout_server import streaming
-from training_core.rollout_server.engine_process import EngineProcess
+from training_core.rollout_server.engine_process import TENSOR_ADAPTER, EngineProcess
 from training_core.rollout_server.requests import (
     AbortReqIn,
     BeginWeightUpdateReqIn,
@@ -42,6 +42,7 @@ from training_core.rollout_server.requests import (
     GenerateReqIn,
     GetWeightsByNameReqIn,
     InitWeightsUpdateGroupReqIn,
+    LoadLoRAAdapterFromTensorsReqIn,
     LoadLoRAAdapterReqIn,
     PauseGenerationReqIn,
     SamplingParamsIn,
@@ -207,6 +208,28 @@ def create_app(engine: EngineProcess, tokenizer: Any, *, key: str | None = None,
         ever_loaded.add(body.lora_name)
         return _lora_result(True)
 
+    @app.post("/load_lora_adapter_from_tensors")
+    async def load_lora_adapter_from_tensors(body: LoadLoRAAdapterFromTensorsReqIn):
+        """An adapter whose tensors came over the weight update group (weight_sync
+        distributed): ``serialized_named_tensors`` is empty here. SGLang's payloads are pickles
+        of tensors shared between processes of one machine, which a server must not unpickle
+        from the network; the weight group carries the bytes instead."""
+        if body.serialized_named_tensors:
+            return _lora_result(False, "serialized_named_tensors: the embedded server takes an "
+                                       "adapter's tensors over the weight update group only "
+                                       "(/update_weights_from_distributed, then this route "
+                                       "with an empty list)")
+        if body.lora_name in adapters:
+            return _lora_result(False, f"Failed to load LoRA adapter {body.lora_name} because it "
+                                       "is already loaded")
+        result = await engine.call("load_received_adapter", name=body.lora_name,
+                                   config=body.config_dict)
+        if not result["success"]:
+            return _lora_result(False, result["message"])
+        adapters[body.lora_name] = TENSOR_ADAPTER
+        ever_loaded.add(body.lora_name)
+        return _lora_result(True)
+
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterReqIn):
         if body.lora_name not in adapters:
@@ -215,10 +238,11 @@ def create_app(engine: EngineProcess, tokenizer: Any, *, key: str | None = None,
         was_serving = body.lora_name == next(reversed(adapters))
         del adapters[body.lora_name]
         if was_serving:  # the newest adapter left serves, or the base
-            result = await engine.call("apply_adapter",
-                                       path=adapters[next(reversed(adapters))] if adapters else None)
+            newest = next(reversed(adapters)) if adapters else None
+            result = await engine.call("apply_adapter", path=adapters.get(newest), name=newest)
             if not result["success"]:
                 return _lora_result(False, result["message"])
+        await engine.call("forget_adapter", name=body.lora_name)
         return _lora_result(True)
 
     @app.post("/update_weight_version")

@@ -9,6 +9,7 @@ target_modules, ...). Written whole or not at all (a ``.tmp`` folder, then a ren
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,3 +68,17 @@ def save(peft_model: torch.nn.Module, folder: str | Path, *,
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder
+
+
+def state(peft_model: torch.nn.Module, *,
+          dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """The adapter as :func:`save` writes it, without a disk: its tensors (peft's keys, cast to
+    ``dtype`` where given, on the device they train on) and its ``adapter_config.json`` as a
+    dict (weight_sync distributed sends both)."""
+    from peft import get_peft_model_state_dict
+
+    tensors = {k: v.detach().to(dtype or v.dtype)
+               for k, v in get_peft_model_state_dict(peft_model).items()}
+    config = peft_model.peft_config["default"].to_dict()
+    return tensors, json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(
+        v, set) else str(v)))

@@ -358,6 +358,14 @@ class DeepSpeedTrainer:
             state.pop("lm_head.weight", None)
         return state
 
+    def adapter_weights(self) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """[issue 49] A LoRA run's adapter as the servers take it over the weight group: its
+        tensors in the served dtype on this rank's device (whole: ZeRO 0-2 hold every
+        parameter on every rank) and its peft config; None for a full fine-tuning run."""
+        if self.lora is None:
+            return None
+        return adapter.state(self.engine.module, dtype=self.serve_dtype)
+
     def save_weights(self, path: str | Path, *, spare: str | Path | None = None) -> Path:
         """Write safetensors the rollout servers load (whole or not at all); over ``spare``'s
         file where it can be reused (weight_files.save)."""

@@ -475,21 +475,34 @@ class RolloutClient:
         name; the servers' ``weight_version`` becomes ``version`` (SGLang's
         ``/update_weight_version``, without aborting: the pause decides what happens to
         requests in flight)."""
-        payload = {"lora_name": name, "lora_path": path}
+        await self._load_adapter("/load_lora_adapter", {"lora_name": name, "lora_path": path},
+                                 version)
+
+    async def load_lora_adapter_from_tensors(self, name: str, config: dict[str, Any],
+                                             version: int) -> None:
+        """As :meth:`load_lora_adapter`, for an adapter whose tensors the servers received over
+        the weight update group (weight_sync distributed): ``config`` is its
+        ``adapter_config.json``; the request carries no tensors (the embedded server's rule,
+        rollout_server/server.py)."""
+        await self._load_adapter("/load_lora_adapter_from_tensors", {
+            "lora_name": name, "config_dict": config, "serialized_named_tensors": []}, version)
+
+    async def _load_adapter(self, route: str, payload: dict[str, Any], version: int) -> None:
+        name = payload["lora_name"]
 
         async def load(server: _Server) -> dict:
             try:
-                return await self._retrying(server, "/load_lora_adapter", payload)
+                return await self._retrying(server, route, payload)
             except RolloutServerError as exc:
                 # A resumed run reloads its version under the same name: what the server holds
                 # under it may be a discarded future's, so the checkpoint's replaces it.
                 if exc.status != 400 or "already loaded" not in str(exc):
                     raise
             await self._retrying(server, "/unload_lora_adapter", {"lora_name": name})
-            return await self._retrying(server, "/load_lora_adapter", payload)
+            return await self._retrying(server, route, payload)
 
         loaded = await asyncio.gather(*[load(s) for s in self.servers])
-        _check_all("load_lora_adapter", self.servers, loaded)
+        _check_all(route.lstrip("/"), self.servers, loaded)
         results = await self._all("/update_weight_version", {"new_version": str(version),
                                                               "abort_all_requests": False})
         _check_all("update_weight_version", self.servers, results)
@@ -676,5 +689,7 @@ def results_of_load(results: list[Any]) -> list[list[str]]:
 def _check_all(call: str, servers: list[_Server], results: list[Any]) -> None:
     for server, result in zip(servers, results, strict=True):
         if not (isinstance(result, dict) and result.get("success", False)):
-            message = result.get("message") if isinstance(result, dict) else result
+            # SGLang's LoRA routes answer error_message, the others message
+            message = (result.get("message") or result.get("error_message")
+                       if isinstance(result, dict) else result)
             raise RolloutServerError(f"{call} failed on {server.url}: {message}")

@@ -22,7 +22,11 @@ sizes, server i at rank offset 1 + the sizes before it). A push announces a buck
 in exactly that order, bucket after bucket; the last bucket carries the new ``weight_version``.
 By default a bucket travels as one flat byte buffer (SGLang's ``load_format:
 "flattened_bucket"``), flattened at export time so the pause holds only the transfer. Backend
-gloo for CPU tensors, nccl for CUDA ones. Nothing touches a disk.
+gloo for CPU tensors, nccl for CUDA ones. Nothing touches a disk. A LoRA run broadcasts its
+adapter's tensors alone (peft's names, on the trainer's device as the full weights would be), then
+``/load_lora_adapter_from_tensors`` names them ``v<version>`` with the adapter's config and no
+tensors in the request (the embedded server only: SGLang 0.5.23 loads no adapter from the group,
+so the spec refuses that pair), and the older adapters are unloaded as over disk.
 """
 
 from __future__ import annotations
@@ -170,15 +174,21 @@ class DistributedSync:
         self._buckets: list[_Bucket] = []
         self._flat: list[torch.Tensor] = []
         self._version: int | None = None
+        self._adapter_config: dict | None = None  # a LoRA run's: what its buckets hold
+        self.pushed_bytes = 0  # of the last push (benchmarks, tests)
 
     def export(self, trainer: TrainEngine, version: int, *, resumed: bool = False) -> None:
         """Every rank (a collective under ZeRO-3); rank 0 keeps the bucketed weights. The flat
         copies are made here, while generation still runs, not in the pause."""
         from training_core.world import rank_and_world
 
-        weights = trainer.weights()
+        # [issue 49] a LoRA run sends its adapter alone (ZeRO 0-2 only: no collective); the
+        # servers hold its tensors until /load_lora_adapter_from_tensors names them
+        adapter = trainer.adapter_weights() if hasattr(trainer, "adapter_weights") else None
+        weights = adapter[0] if adapter is not None else trainer.weights()
         if rank_and_world()[0] != 0:
             return
+        self._adapter_config = adapter[1] if adapter is not None else None
         buckets = _buckets(list(weights.items()), self.bucket_bytes)
         # The flat buffers are reused from version to version (already paged in).
         self._flat = [flatten([t for _, t in b], out=self._flat[i] if i < len(self._flat) else None)
@@ -225,9 +235,12 @@ class DistributedSync:
         versions = await client.weight_versions()
         if any(v != str(client.version) for v in versions):
             await self.connect(client)
+        adapter = self._adapter_config
         async with client.weight_update_session():
             for i, bucket in enumerate(self._buckets):
-                last = i == len(self._buckets) - 1
+                # an adapter's version comes with its load (below), and the base is unchanged:
+                # nothing to flush
+                last = i == len(self._buckets) - 1 and adapter is None
                 announce = asyncio.ensure_future(client.update_weights_from_distributed(
                     names=bucket.names, dtypes=bucket.dtypes, shapes=bucket.shapes,
                     group_name=self.group_name, version=version if last else None,
@@ -236,6 +249,11 @@ class DistributedSync:
                 sent = _ThreadResult(functools.partial(broadcast_from_trainer, self.group,
                                                        bucket.tensors))
                 await _both(announce, sent, "update_weights_from_distributed")
+        if adapter is not None:
+            await client.load_lora_adapter_from_tensors(adapter_name(version), adapter, version)
+            await client.unload_unused_adapters()
+        self.pushed_bytes = sum(t.numel() * t.element_size() for b in self._buckets
+                                for t in b.tensors)
         self._buckets = []
 
     async def close(self, client: WeightReceiver) -> None:

@@ -59,3 +59,10 @@ def run_evaluations(*, run: Run) -> dict[int, dict[str, float]]:
         if version is not None:
             out.setdefault(int(version), {})[key] = value
     return out
+
+
+def run_step_versions(*, run: Run) -> dict[int, int]:
+    """step -> the policy version after it, as the tracker recorded it (the run directory's
+    metrics.jsonl says the same; the web app reads its own record)."""
+    found = MetricPoint.objects.filter(run=run, key=M.VERSION).values_list("step", "value")
+    return {0: 0, **{int(step): int(value) for step, value in found}}

@@ -21,7 +21,7 @@ from webapp.config.celery import enqueue
 from webapp.core.errors import ApplicationError
 from webapp.registry.archive import folder_size
 from webapp.registry.models import ModelAlias, ModelVersion
-from webapp.registry.selectors import run_evaluations
+from webapp.registry.selectors import run_evaluations, run_step_versions
 from webapp.runs.models import Run
 from webapp.runs.services import run_event_add
 
@@ -110,9 +110,14 @@ def model_version_export(*, model_version_id: int) -> dict:
                    "reward": {"version_id": rv.id, "name": rv.reward_function.name,
                               "version": rv.version},
                    "model_version_id": mv.id}
+        run_dir = flow_run_dir(run.id)
+        evaluations = run_evaluations(run=run)
         try:
-            export_version(flow_run_dir(run.id), mv.requested, out, lineage=lineage,
-                           evaluations=run_evaluations(run=run))
+            if (run_dir / "spec.yaml").exists():
+                export_version(run_dir, mv.requested, out, lineage=lineage,
+                               evaluations=evaluations)
+            else:  # the trainer ran on another node: its durable checkpoints, if it has them
+                _export_from_store(run, run_dir, mv.requested, out, lineage, evaluations)
         except ExportError as exc:
             return _failed(mv, f"{exc.field}: {exc}")
         except FileNotFoundError as exc:
@@ -137,6 +142,34 @@ def model_version_export(*, model_version_id: int) -> dict:
                   data={"model_version_id": mv.id, "version": mv.version},
                   dedup_key=f"model-export-{mv.id}")
     return {"id": mv.id, "status": mv.status, "version": mv.version}
+
+
+def _export_from_store(run: Run, run_dir: Path, requested: str, out: Path, lineage: dict,
+                       evaluations: dict[int, dict[str, float]]) -> None:
+    """A run whose directory is on another node (a placed run): exported from the checkpoint
+    the durable store holds (``$OOLONG_CHECKPOINT_STORE``, keyed by the run directory's name as
+    the trainer keyed it), staged in a folder of the model store and removed after. The spec
+    and the steps' versions are the web app's own record (the run row, the tracker)."""
+    from training_core.checkpoint_store import STORE_ENV, CheckpointStore
+    from training_core.config import RunSpec
+    from training_core.export import ExportError, export_version, stage_from_store
+
+    store = CheckpointStore.from_env(run_dir)
+    if store is None:
+        raise ExportError(f"the run's files ({run_dir}) are not on this worker and no durable "
+                          f"checkpoint store is set ({STORE_ENV}): export on the node that ran "
+                          f"it (oolong export), or set {STORE_ENV} where the trainer and this "
+                          "worker both reach it", field="run")
+    staging = model_store() / ".staging" / f"{run_dir.name}-{out.name}"
+    try:
+        staged = stage_from_store(store, RunSpec.model_validate(run.spec), requested, staging,
+                                  step_versions=run_step_versions(run=run),
+                                  evaluations=evaluations)
+        where = {"dir": f"{store.url}/{run_dir.name}", **lineage.get("run", {})}
+        export_version(staged, requested, out, lineage={**lineage, "run": where},
+                       evaluations=evaluations)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _failed(mv: ModelVersion, error: str, **fields) -> dict:

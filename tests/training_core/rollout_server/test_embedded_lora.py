@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from tests.training_core.conftest import start_server
-from tests.training_core.sglang_contract import MODELS, release_models, release_source_or_skip
+from tests.training_core.sglang_contract import (
+    MODELS,
+    check_request,
+    release_models,
+    release_source_or_skip,
+)
 from training_core.api import GenerationRequest, SamplingParams
 from training_core.config import LoraSpec
 from training_core.models.loading import load_model
@@ -19,6 +24,8 @@ from training_core.prefix_tree import sequence_logprobs
 from training_core.rollout_server import requests as rules
 from training_core.trainer import adapter
 from training_core.transport.rollout_client import RolloutClient
+from training_core.transport.weight_sync import DistributedSync, push_weights
+from training_core.version import PolicyVersion
 
 PROMPT = [20, 21, 22, 23]
 
@@ -125,6 +132,7 @@ def test_the_messages_are_the_releases():
 
 @pytest.mark.parametrize("ours, theirs", [
     (rules.LoadLoRAAdapterReqIn, "LoadLoRAAdapterReqInput"),
+    (rules.LoadLoRAAdapterFromTensorsReqIn, "LoadLoRAAdapterFromTensorsReqInput"),
     (rules.UnloadLoRAAdapterReqIn, "UnloadLoRAAdapterReqInput"),
     (rules.UpdateWeightVersionReqIn, "UpdateWeightVersionReqInput"),
 ])
@@ -172,3 +180,63 @@ def test_the_client_names_the_current_adapter_and_unloads_the_idle_ones(
         await client.aclose()
 
     asyncio.run(go())
+
+
+def test_an_adapter_over_the_weight_group_is_served_by_name(lora_server, tiny_model_dir,
+                                                            tmp_path, monkeypatch):
+    """weight_sync distributed with an adapter: its tensors alone over the group (gloo), then
+    ``/load_lora_adapter_from_tensors`` with its config and no tensors in the body (SGLang's
+    request model); the server serves the peft model's distribution under ``v<version>``."""
+    peft_model = _adapter(tiny_model_dir, tmp_path / "g", seed=5)
+    tensors, config = adapter.state(peft_model)
+    bodies = []
+    real_post = RolloutClient._post
+
+    async def post(self, server, path, payload=None):
+        bodies.append((path, payload))
+        return await real_post(self, server, path, payload)
+
+    monkeypatch.setattr(RolloutClient, "_post", post)
+
+    class LoraTrainer:  # what the weight sync asks of a LoRA run's trainer
+        def adapter_weights(self):
+            return tensors, config
+
+    async def go():
+        policy = PolicyVersion(4)
+        client = RolloutClient([lora_server], version=policy, api_key="")
+        sync = DistributedSync()
+        sync.export(LoraTrainer(), 5)
+        await sync.connect(client)
+        assert await push_weights(client, sync, policy) == 5
+        await sync.close(client)
+        await client.aclose()
+        return sync.pushed_bytes
+
+    before = httpx.get(lora_server + "/server_info").json()["weight_group_bytes_received"]
+    pushed = asyncio.run(go())
+    assert pushed == sum(t.numel() * t.element_size() for t in tensors.values())
+    info = httpx.get(lora_server + "/server_info").json()
+    assert info["weight_group_bytes_received"] - before == pushed
+    assert info["weight_version"] == "5"
+    served = _generate(lora_server, lora_path="v5").json()
+    assert torch.allclose(_served(served), _logprobs_under(peft_model, served), atol=1e-4)
+    for path, body in bodies:  # every body the release's request models take
+        if body is not None:  # (the bodiless pause/continue calls are not this test's)
+            assert check_request("POST", path, body) == [], (path, body)
+    announced = [b for p, b in bodies if p == "/update_weights_from_distributed"]
+    assert announced and all(".lora_" in n for b in announced for n in b["names"])
+    loads = [b for p, b in bodies if p == "/load_lora_adapter_from_tensors"]
+    assert loads == [{"lora_name": "v5", "config_dict": config, "serialized_named_tensors": []}]
+    r = httpx.post(lora_server + "/unload_lora_adapter", json={"lora_name": "v5"})
+    assert r.status_code == 200 and r.json()["loaded_adapters"] == {}
+
+
+def test_tensors_in_the_request_or_none_received_are_400s(lora_server):
+    r = httpx.post(lora_server + "/load_lora_adapter_from_tensors", json={
+        "lora_name": "t", "config_dict": {"r": 4}, "serialized_named_tensors": ["gASV"]})
+    assert r.status_code == 400 and "serialized_named_tensors" in r.json()["error_message"]
+    assert "weight update group" in r.json()["error_message"]
+    r = httpx.post(lora_server + "/load_lora_adapter_from_tensors", json={
+        "lora_name": "t", "config_dict": {"r": 4}, "serialized_named_tensors": []})
+    assert r.status_code == 400 and "no adapter tensors came" in r.json()["error_message"]

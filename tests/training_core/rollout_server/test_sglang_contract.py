@@ -123,3 +123,42 @@ def test_the_key_file_is_read_by_the_releases_config_merger(source, tmp_path):
     args = parser.parse_args(merged)
     assert (args.api_key, args.admin_api_key, args.port) == ("k3y", "k3y", "30000")
     assert {"--api-key", "--admin-api-key"} <= release_cli_flags(source)
+
+
+def test_a_lora_runs_flags_are_the_releases_lora_arguments(source):
+    """A LoRA run's SGLang (issue 49): the release's own parser reads the flags the launcher
+    writes into the values the run needs, and the release's own check of its LoRA arguments
+    (``check_lora_server_args``: no adapters at launch needs the rank and the modules) passes."""
+    import argparse
+
+    from tests.training_core.sglang_oracle import _compiled, lora_parser
+    from training_core.config import SGLANG_LORA_TARGETS, load_spec
+    from training_core.launch import SGLANG_LORAS_PER_BATCH, server_command
+
+    parser, supported = lora_parser(source)
+    assert set(SGLANG_LORA_TARGETS) <= set(supported)
+    spec = load_spec(None, ["rollout.backend=sglang", "model.lora.rank=8",
+                            "model.lora.target_modules=[self_attn.q_proj, v_proj, down_proj]"])
+    cmd = server_command(spec, "/models/m", 30001, 0)
+    assert set(a for a in cmd if a.startswith("--")) <= release_cli_flags(source)
+    lora_args = cmd[cmd.index("--enable-lora"):]
+    args = parser.parse_args(lora_args)
+    assert args.enable_lora is True and args.max_lora_rank == 8
+    assert args.lora_target_modules == ["q_proj", "v_proj", "down_proj"]
+    assert args.max_loras_per_batch == SGLANG_LORAS_PER_BATCH and args.max_loaded_loras is None
+    # the release's check, its own source, on what its parser made of the flags
+    check = _compiled(source, "srt/arg_groups/lora_hook.py", "check_lora_server_args", {
+        "resolving_view": lambda s: s, "Any": object,
+        "declare_resolution": lambda s, _who, **kw: [setattr(s, k, v) for k, v in kw.items()],
+        "check_lora_speculative_compatibility": lambda s: None,
+        "check_lora_moe_runner_args": lambda s: None, "LoRARef": object,
+        "logger": argparse.Namespace(warning=print, info=print)})
+    check(args)
+    assert args.lora_paths == [] and args.lora_target_modules == {"q_proj", "v_proj", "down_proj"}
+    # and without the rank the release refuses to start (what the launcher must never omit)
+    bare = parser.parse_args(["--enable-lora", "--lora-target-modules", "q_proj"])
+    with pytest.raises(AssertionError, match="max-lora-rank"):
+        check(bare)
+    # a full fine-tuning run's SGLang has no LoRA flags
+    assert "--enable-lora" not in server_command(load_spec(None, ["rollout.backend=sglang"]),
+                                                 "/models/m", 30001, 0)

@@ -187,3 +187,26 @@ def test_a_restarted_server_gets_the_group_rebuilt_and_the_current_weights(
     finally:
         for fleet, _ in fleets:
             fleet.stop()
+
+
+def test_an_adapter_is_sent_from_the_device_it_trains_on():
+    """NCCL takes no CPU tensors: a LoRA run's adapter is bucketed where the trainer holds it
+    (here the meta device stands for a GPU), never moved to the CPU to suit gloo, and the group's
+    backend follows that device as for full weights."""
+    adapter = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+               torch.empty(4, 16, device="meta"),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
+               torch.empty(16, 4, device="meta")}
+
+    class LoraTrainer:
+        def adapter_weights(self):
+            return adapter, {"r": 4, "lora_alpha": 8}
+
+        def weights(self):
+            raise AssertionError("a LoRA run must not send its full weights")
+
+    sync = DistributedSync()
+    sync.export(LoraTrainer(), 3)
+    assert sync.device == torch.device("meta")
+    assert sync._buckets[0].names == list(adapter)
+    assert sync._buckets[0].tensors[0].numel() == 2 * 4 * 16 * 4  # the two fp32 tensors' bytes
