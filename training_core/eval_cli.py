@@ -91,12 +91,14 @@ def stored_eval(run_dir: str | Path, *, version: int | None = None, data: str | 
 @contextmanager
 def _weights_of(run_dir: Path, spec: Any, source: Any) -> Iterator[tuple[Path, Path | None]]:
     """(model folder, weights folder to load over it) for one version: the served file as it is;
-    a checkpoint exported first (``training_core.export``: its fp32 weights, a LoRA adapter
-    merged) into a temporary model folder; the starting model as the run's model folder."""
+    a checkpoint, or a LoRA run's adapter, exported first (``training_core.export``: its fp32
+    weights, the adapter merged) into a temporary model folder; the starting model as the run's
+    model folder."""
     from training_core.export import export_version
     from training_core.models.paths import run_model_dir
 
-    if source.kind != "checkpoint":
+    exported = source.kind == "checkpoint" or (source.kind == "pushed" and spec.model.lora)
+    if not exported:
         yield run_model_dir(spec, run_dir), source.path if source.kind == "pushed" else None
         return
     with tempfile.TemporaryDirectory(prefix="oolong-eval-") as tmp:

@@ -76,7 +76,8 @@ def test_a_lora_runs_export_gives_its_servers_greedy_answers_as_adapter_and_merg
     run_dir = tmp_path / "run"
     try:
         spec = load_spec(None, [*LORA, f"run_dir={run_dir}", f"rollout.server_urls=[{url}]",
-                                "trainer.steps=2", "checkpoint.every=1"])
+                                "trainer.steps=2", "checkpoint.every=1",
+                                "reward.fn=builtin:arithmetic"])  # offline eval: built-ins only
         train(spec, progress=False)
         tok = load_tokenizer(tiny_model_dir)
         rows = load_data(spec.data, spec.seed).eval[:6]
@@ -112,10 +113,18 @@ def test_a_lora_runs_export_gives_its_servers_greedy_answers_as_adapter_and_merg
     trimmed = [s[: s.index(tok.eos_token_id) + 1] if tok.eos_token_id in s else s for s in served]
     assert greedy(with_adapter) == trimmed
     assert greedy(merged) == trimmed
-    # the same version from its checkpoint alone (the frozen base left out of it)
+    # oolong eval of the pushed adapter (it used to load the adapter's tensors as base weights
+    # and refuse them), and of the same version from its checkpoint: the same numbers.
     import shutil
 
+    from training_core.eval_cli import stored_eval
+
+    pushed = stored_eval(run_dir, version=2, limit=6)["metrics"]
+    assert pushed["eval/heldout/version"] == 2
+
+    # the same version from its checkpoint alone (the frozen base left out of it)
     shutil.rmtree(run_dir / "weights")
+    assert stored_eval(run_dir, version=2, limit=6)["metrics"] == pushed
     from_checkpoint = export_version(run_dir, "latest", tmp_path / "ckpt", merge=True)
     assert (from_checkpoint.version, from_checkpoint.source) == (2, "checkpoint")
     restored = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32).eval()
