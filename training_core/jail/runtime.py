@@ -106,10 +106,18 @@ def package_names() -> list[str]:
     return names
 
 
-def distributions() -> list[metadata.Distribution]:
-    """:func:`package_names` and what they require (markers evaluated here, no extras)."""
-    from packaging.requirements import Requirement
+def _required(line: str) -> str | None:
+    """The distribution a ``Requires-Dist`` line names, or None for an extra's. Other markers
+    (Python version, platform) are not evaluated: what they name is taken where installed."""
+    spec, _, marker = line.partition(";")
+    if "extra" in marker:
+        return None
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", spec)
+    return match.group(1) if match else None
 
+
+def distributions() -> list[metadata.Distribution]:
+    """:func:`package_names` and what they require (no extras), those installed here."""
     seen: dict[str, metadata.Distribution] = {}
     todo = package_names()
     while todo:
@@ -121,10 +129,7 @@ def distributions() -> list[metadata.Distribution]:
         except metadata.PackageNotFoundError:
             continue
         seen[name] = dist
-        for line in dist.requires or []:
-            req = Requirement(line)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(req.name)
+        todo += [req for line in dist.requires or [] if (req := _required(line))]
     return [seen[k] for k in sorted(seen)]
 
 

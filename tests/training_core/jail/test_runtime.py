@@ -62,3 +62,10 @@ def test_a_binary_keeps_its_length_and_text_names_the_neutral_path(tmp_path, mon
     assert b"/opt/oolong/python" in data and data.endswith(b"3.11.7\0")
     assert text.read_text() == ("build = {'prefix': '/opt/oolong/python', "
                                 "'LIBDIR': '/opt/oolong/python/lib'}\n")
+
+
+def test_a_requirement_line_names_its_distribution_unless_it_is_an_extras():
+    assert runtime._required('numpy>=1.21') == "numpy"
+    assert runtime._required('typing-extensions (>=4.6) ; python_version < "3.13"') == "typing-extensions"
+    assert runtime._required("pydantic_core[x]==2.1") == "pydantic_core"
+    assert runtime._required('pytest; extra == "test"') is None
