@@ -162,12 +162,17 @@ def lib_digest(package: Path) -> str:
 
 # --- the image tmpfs -----------------------------------------------------------------------
 
+def _unescape(field: str) -> str:
+    """A mountinfo path: space, tab, newline and backslash are octal escapes there."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
 def _is_tmpfs_mount(path: Path) -> bool:
-    target = str(path)
+    target = str(path.resolve())
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         fields = line.split()
         sep = fields.index("-")
-        if fields[4] == target and fields[sep + 1] == "tmpfs":
+        if _unescape(fields[4]) == target and fields[sep + 1] == "tmpfs":
             return True
     return False
 
@@ -176,6 +181,7 @@ def images_root() -> Path:
     """Where the images are: a root caller's own tmpfs (mounted here once), else a directory."""
     root = cache_dir() / "images"
     root.mkdir(parents=True, exist_ok=True)
+    root = root.resolve()  # as mountinfo names it (a cache reached through a link)
     if os.geteuid() == 0 and not _is_tmpfs_mount(root):
         with _lock():
             if not _is_tmpfs_mount(root):

@@ -69,3 +69,13 @@ def test_a_requirement_line_names_its_distribution_unless_it_is_an_extras():
     assert runtime._required('typing-extensions (>=4.6) ; python_version < "3.13"') == "typing-extensions"
     assert runtime._required("pydantic_core[x]==2.1") == "pydantic_core"
     assert runtime._required('pytest; extra == "test"') is None
+
+
+def test_a_mount_is_found_by_its_real_path(tmp_path):
+    # A link to a mount point is that mount (mountinfo names the real path).
+    (tmp_path / "link").symlink_to("/dev/shm")
+    shm_is_tmpfs = any(line.split()[4] == "/dev/shm" and " - tmpfs " in line
+                       for line in open("/proc/self/mountinfo"))
+    assert runtime._is_tmpfs_mount(tmp_path / "link") == shm_is_tmpfs
+    assert not runtime._is_tmpfs_mount(tmp_path)
+    assert runtime._unescape(r"/a\040b\134c") == "/a b\\c"
