@@ -10,13 +10,15 @@ So the jail gets images instead, built once per runtime and cached (``OOLONG_CAC
 
 - ``py-<digest>``, mounted at ``/opt/oolong/python``: the interpreter and ``libpython``, the
   standard library (without tests, IDLE, tkinter, ensurepip) and the packages of
-  :data:`PACKAGES` with their dependencies, copied out of the virtualenv. The host's prefix in
-  the binaries' strings (RUNPATH, the compiled-in prefix) is overwritten in place by the neutral
-  path padded with slashes (same length); text files naming it are rewritten; every compiled file
-  names its neutral path. It is a plain installation (no ``pyvenv.cfg``): Python finds its
-  prefix from the interpreter's location.
+  :data:`PACKAGES` with their dependencies (without their test suites), copied out of the
+  virtualenv. The host's prefix in the binaries' strings (RUNPATH, the compiled-in prefix) is
+  overwritten in place by a path of the same length naming the image (``_neutral_bytes``); text
+  files naming it are rewritten; every compiled file names its neutral path. It is a plain
+  installation (no ``pyvenv.cfg``): Python finds its prefix from the interpreter's location.
 - ``tc-<digest>``, mounted at ``/opt/oolong/lib``: ``training_core``'s Python files (the
   built-in rewards), keyed by their sizes and times, so an edited checkout gets a fresh one.
+
+Images no jail used for a day are removed.
 
 A root caller keeps the images on a tmpfs of their own (``images_root``): a bind of a directory
 there shows ``/py-<digest>`` as its root in mountinfo, not a host path. A non-root caller cannot
@@ -47,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import training_core
+from training_core.cache import cache_root
 from training_core.jail.errors import SandboxUnavailable
 
 PYTHON_DIR = "/opt/oolong/python"  # the jail's sys.prefix
@@ -60,7 +63,7 @@ STDLIB_LEFT_OUT = {"site-packages", "dist-packages", "test", "idlelib", "tkinter
                    "ensurepip", "tests", "__pycache__"}
 BUILD = 2  # the image layout's version: a change builds every image again
 TMPFS_MB = 8192  # the root caller's image tmpfs (a bound: it holds only what is written)
-STALE_S = 86400  # a training_core image unused this long is removed
+STALE_S = 86400  # an image no jail used this long is removed
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,7 @@ class Runtime:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("OOLONG_CACHE") or str(Path.home() / ".cache" / "oolong")
-    return Path(root) / "jail-runtime"
+    return cache_root() / "jail-runtime"
 
 
 def _python_name() -> str:
