@@ -188,7 +188,7 @@ def images_root() -> Path:
         with _lock():
             if not _is_tmpfs_mount(root):
                 result = subprocess.run(
-                    ["mount", "-t", "tmpfs", "-o", f"mode=0755,nosuid,nodev,size={TMPFS_MB}m",
+                    [shutil.which("mount") or "/bin/mount", "-t", "tmpfs", "-o", f"mode=0755,nosuid,nodev,size={TMPFS_MB}m",
                      "oolong-jail-runtime", str(root)], capture_output=True, text=True)
                 if result.returncode != 0:
                     raise SandboxUnavailable(f"could not mount the jail runtime's tmpfs at {root}: "
