@@ -1,6 +1,7 @@
 """Issue 47, item 9: the runtime at neutral paths. A jail could read where the host keeps its
 Python, its virtualenv and the checkout (``/proc/self/mountinfo`` showed every bind's source
-path, ``sys.path``, ``__file__`` and ``/proc/self/maps`` the host's paths). Now the jail runs a
+path, ``sys.path``, ``__file__`` and ``/proc/self/maps`` the host's paths, ``/proc/1/cmdline``
+bwrap's options with every bind's source). Now the jail runs a
 runtime image at ``/opt/oolong`` (``training_core/jail/runtime.py``) and nothing it can read names
 a host path: what the kernel shows, what Python says, and every byte of the image's files."""
 
@@ -22,6 +23,12 @@ seen = {"mountinfo": open("/proc/self/mountinfo").read(), "maps": open("/proc/se
         "executable": sys.executable, "prefix": sys.prefix, "base_prefix": sys.base_prefix,
         "exec_prefix": sys.exec_prefix, "path": repr(sys.path), "os": os.__file__,
         "environ": repr(dict(os.environ)), "argv": repr(sys.argv), "version": sys.version}
+# Every process's command line: PID 1 is bwrap, whose options name the host paths of the binds.
+cmdlines = []
+for pid in sorted(p for p in os.listdir("/proc") if p.isdigit()):
+    with open(f"/proc/{pid}/cmdline", "rb") as handle:
+        cmdlines.append(handle.read().replace(b"\0", b" ").decode())
+seen["cmdlines"] = repr(cmdlines)
 import numpy, sympy, httpx, openai, math_verify
 seen["packages"] = repr([m.__file__ for m in (numpy, sympy, httpx, openai, math_verify)])
 seen["code"] = repr([numpy.array.__module__, sympy.simplify.__code__.co_filename,
@@ -87,6 +94,7 @@ def test_nothing_in_the_jail_names_a_host_path_of_the_runtime():
     assert seen["os"].startswith(runtime.PYTHON_DIR)
     assert "/opt/oolong/lib/training_core/rewards/registry.py" in seen["training_core"]
     assert "/opt/oolong/python" in seen["mountinfo"] and "/opt/oolong/lib" in seen["mountinfo"]
+    assert "bwrap --args " in seen["cmdlines"]  # PID 1's options came by file descriptor
     assert json.loads(seen.pop("files")) == []
     leaks = {(where, needle) for where, text in seen.items() for needle in needles
              if needle in text and not _shown(where, needle)}

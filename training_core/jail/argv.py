@@ -89,9 +89,20 @@ def jail_argv(argv: list[str], *, files: dict[str, int] | None = None,
     own uid (``uids.lease()``; default: the ``oolong-jail`` user's). Use
     :func:`training_core.jail.spawn` unless you need the bare argv.
     """
+    options, command = jail_parts(argv, files=files, sockets=sockets, seccomp_fd=seccomp_fd,
+                                  tmpfs_mb=tmpfs_mb, uid=uid)
+    return [bwrap_path(), *options, *command]
+
+
+def jail_parts(argv: list[str], *, files: dict[str, int] | None = None,
+               sockets: dict[str, str] | None = None, seccomp_fd: int | None = None,
+               tmpfs_mb: int = 64, uid: int | None = None) -> tuple[list[str], list[str]]:
+    """:func:`jail_argv` in two: bwrap's options (the jail's layout, host paths included) and the
+    command it runs. :func:`training_core.jail.spawn` hands the options over by file descriptor
+    (``--args``): the jail's PID 1 is bwrap, and its ``/proc/1/cmdline`` is readable in the jail."""
     user = jail_user()
     size = str(tmpfs_mb * 2**20)
-    cmd = [bwrap_path()]
+    cmd: list[str] = []
     if user is None:
         cmd += ["--unshare-all", "--unshare-user", "--disable-userns",
                 "--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID)]
@@ -137,9 +148,10 @@ def jail_argv(argv: list[str], *, files: dict[str, int] | None = None,
     cmd += ["--chdir", "/scratch"]
     if seccomp_fd is not None:
         cmd += ["--seccomp", str(seccomp_fd)]
+    command: list[str] = []
     if user is not None:
         jail_uid, gid = user
-        cmd += ["/usr/bin/setpriv", f"--reuid={jail_uid if uid is None else uid}",
-                f"--regid={gid}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
-                "--"]
-    return cmd + argv
+        command += ["/usr/bin/setpriv", f"--reuid={jail_uid if uid is None else uid}",
+                    f"--regid={gid}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
+                    "--"]
+    return cmd, command + argv
