@@ -12,7 +12,7 @@ from __future__ import annotations
 # name -> (who reads it, what it does)
 VARIABLES: dict[str, tuple[str, str]] = {
     # ---- engine processes (trainer, rollout servers) -------------------------------------------
-    "OOLONG_CACHE": ("engine", "cache root: converted models, built CPU kernels (default ~/.cache/oolong)"),
+    "OOLONG_CACHE": ("engine", "cache root: converted models, built CPU kernels, the jail's runtime images (default ~/.cache/oolong)"),
     "OOLONG_RUN_ID": ("engine", "marks every process of a run (teardown finds them by it)"),
     "OOLONG_PROCESS_TAG": ("engine", "marks the processes a ManagedProcess started (stop_all)"),
     "OOLONG_PORT_RANGE": ("nodes", "the ports a node's processes listen on, LOW-HIGH (the security group's range)"),
@@ -29,6 +29,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "OOLONG_AVX2_LINEAR": ("rollout server", "0/1: never / always the AVX2 projection kernel"),
     "OOLONG_PREFIX_CACHE_MB": ("rollout server", "the prefix cache's budget across requests; 0 turns it off"),
     "OOLONG_JAIL_UIDS": ("jail", "the uid range jails lease from, first-last"),
+    "OOLONG_JAIL_PACKAGES": ("jail", "the installed distributions jailed code may import, with their dependencies, comma-separated: default (the list in training_core/jail/runtime.py), more names (default,pandas), or none (the standard library alone)"),
     "OOLONG_REWARD_BROKER_URL": ("trainer", "the remote reward backend's Celery broker"),
     "OOLONG_REWARD_RESULT_BACKEND": ("trainer", "the remote reward backend's result store"),
     # ---- orchestration (flows, nodes, providers) -------------------------------------------------

@@ -5,8 +5,9 @@ workers).
 The jail (see ``training_core/jail/``) is bubblewrap: new PID, network, IPC, UTS and cgroup
 namespaces (no network at all; ``/proc`` shows only the jail's processes); never host root (a
 root caller's jail runs as the system user ``oolong-jail``); ``/proc/sys`` read-only; a seccomp
-filter refusing mounts, new namespaces, ptrace, BPF, keyrings and module loading; a read-only view
-of the Python runtime and installed packages and nothing else of the host; sized tmpfs for
+filter refusing mounts, new namespaces, ptrace, BPF, keyrings and module loading; a read-only
+runtime image at neutral paths (the interpreter, the allowed packages and training_core: no host
+path of them shows) and nothing else of the host; sized tmpfs for
 ``/scratch`` (the working directory), ``/tmp`` and ``/dev/shm``; an empty environment; rlimits per
 process and one cgroup per jail bounding memory (tmpfs included), processes and CPU.
 
@@ -35,7 +36,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import training_core
 from training_core.jail import (
     FILES_DIR,
     PROTOCOL_PRELUDE,
@@ -47,6 +47,7 @@ from training_core.jail import (
     spawn,
 )
 from training_core.jail.cgroups import ns_pid
+from training_core.jail.runtime import LIB_DIR
 
 __all__ = ["JailedWorker", "Limits", "SandboxUnavailable", "bwrap_path", "failure_message",
            "jail_argv", "run_sandboxed"]
@@ -78,7 +79,7 @@ def reap():
 spec = json.loads(sys.stdin.readline())
 try:
     if spec["kind"] == "builtin":
-        sys.path.insert(0, spec["package_root"])  # where training_core is mounted (read-only)
+        sys.path.insert(0, spec["package_root"])  # training_core's image (read-only)
         from training_core.rewards.registry import resolve_reward
         fn = resolve_reward(spec["path"], spec["extract"])
         extracted = fn.extracted
@@ -152,7 +153,7 @@ class JailedWorker:
         files = {"runner.py": RUNNER}
         if source is not None:
             files["user_reward.py"] = source
-        reward = {**reward, "package_root": str(Path(training_core.__file__).resolve().parent.parent)}
+        reward = {**reward, "package_root": LIB_DIR}
         self.jail = spawn([python(), "-I", f"{FILES_DIR}/runner.py"], limits=limits, files=files,
                           # bwrap's own complaints; the runner points the jail's fd 2 at
                           # /dev/null before any reward code runs, so this is never the reward's.

@@ -65,9 +65,12 @@ def _guest_script() -> str:
                   "mount -t tmpfs -o mode=0755 tmpfs /root",
                   f"mkdir -p {base} && mount --bind /tmp/host-root/{base.relative_to('/root')} {base}"]
     lines += [
-        # The share is read-only: everything written goes to the guest's tmpfs.
+        # The share is read-only: everything written goes to the guest's tmpfs. The rewards
+        # here need the standard library only: the jail's runtime image holds no packages (it is
+        # built in the guest, at emulated speed).
         "export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 DS_ACCELERATOR=cpu TOKENIZERS_PARALLELISM=false"
-        " OOLONG_CACHE=/tmp/oolong-cache MPLCONFIGDIR=/tmp/matplotlib PYTHONDONTWRITEBYTECODE=1",
+        " OOLONG_CACHE=/tmp/oolong-cache MPLCONFIGDIR=/tmp/matplotlib PYTHONDONTWRITEBYTECODE=1"
+        " OOLONG_JAIL_PACKAGES=none",
         f"{sys.executable} -m pytest -p no:cacheprovider --basetemp=/tmp/pytest --color=no -q -rA"
         " --tb=short " + " ".join(f"'{node}'" for node in ATTACKS + CHECKS),
     ]

@@ -55,7 +55,12 @@ def _in_cgroup(cgroup: Path, code: str, *, uid: int | None = None) -> subprocess
     with _joining(cgroup) as join:
         return subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=ROOT,
                               env={"PATH": os.environ["PATH"], "HOME": "/tmp",
-                                   "PYTHONDONTWRITEBYTECODE": "1"}, **join)
+                                   "PYTHONDONTWRITEBYTECODE": "1",
+                                   # Each user its own cache of the jail's runtime images.
+                                   "OOLONG_CACHE": f"/tmp/oolong-cache-{uid or 0}",
+                                   "OOLONG_JAIL_PACKAGES": os.environ.get("OOLONG_JAIL_PACKAGES",
+                                                                          "default")},
+                              **join)
 
 
 def _make(path: Path, subtree: str = "", owner: int | None = None) -> Path:

@@ -21,6 +21,7 @@ from training_core.jail.argv import (
     FILES_DIR,
     bwrap_path,
     jail_argv,
+    jail_parts,
     jail_user,
     python,
     runtime_paths,
@@ -28,7 +29,7 @@ from training_core.jail.argv import (
 from training_core.jail.errors import SandboxUnavailable
 
 __all__ = ["FILES_DIR", "PROTOCOL_PRELUDE", "Jail", "Limits", "SandboxUnavailable", "bwrap_path", "check_available",
-           "jail_argv", "jail_user", "python", "runtime_paths", "spawn"]
+           "jail_argv", "jail_parts", "jail_user", "python", "runtime_paths", "spawn"]
 
 
 # The start of every jailed Python runner (rewards, agents): the protocol keeps a private dup of
@@ -155,9 +156,15 @@ def spawn(argv: list[str], *, limits: Limits = Limits(), files: dict[str, str] |
             resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 5))
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
-        cmd = jail_argv(argv, files=file_fds, sockets={k: str(v) for k, v in (sockets or {}).items()},
-                        seccomp_fd=seccomp_fd, tmpfs_mb=limits.tmpfs_mb,
-                        uid=lease.uid if lease is not None else None)
+        options, command = jail_parts(
+            argv, files=file_fds, sockets={k: str(v) for k, v in (sockets or {}).items()},
+            seccomp_fd=seccomp_fd, tmpfs_mb=limits.tmpfs_mb,
+            uid=lease.uid if lease is not None else None)
+        # bwrap's options by fd: its command line is the jail's /proc/1/cmdline, and they name
+        # host paths (the runtime images, an agent's socket). bwrap closes the fd once read.
+        args_fd = _memfd("oolong-bwrap-args", "".join(f"{o}\0" for o in options).encode())
+        fds.append(args_fd)
+        cmd = [bwrap_path(), "--args", str(args_fd), *command]
         # env empty even for bwrap: the jail's PID 1 is bwrap's init, and /proc/1/environ is its.
         proc = subprocess.Popen(cmd, env={}, preexec_fn=preexec, close_fds=True,
                                 pass_fds=tuple(fds), **popen)

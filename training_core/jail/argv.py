@@ -3,11 +3,11 @@
 Who: a non-root caller starts bwrap itself (bwrap maps the jail's uid 65534 to the caller, which
 is not root, and ``--disable-userns`` forbids nested user namespaces). A root caller never does
 that: the mapped uid would be host root (a reward once wrote ``kernel.core_pattern`` and ran a
-script as host root). bwrap then builds the namespaces with root's privileges (it must read a
-runtime that may sit under ``/root``) and the jailed command starts through ``setpriv`` as the
-dedicated system group ``oolong-jail`` and a uid of its own (``uids.py``): to the kernel every
-jailed process is that uid, with no capabilities, no-new-privs, and a seccomp filter that refuses
-new namespaces of any kind.
+script as host root). bwrap then builds the namespaces with root's privileges (it binds the
+runtime images from the platform's own cache, ``runtime.py``) and the jailed command starts
+through ``setpriv`` as the dedicated system group ``oolong-jail`` and a uid of its own
+(``uids.py``): to the kernel every jailed process is that uid, with no capabilities,
+no-new-privs, and a seccomp filter that refuses new namespaces of any kind.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import functools
 import os
 import pwd
 import shutil
-import sys
 from pathlib import Path
 
-import training_core
+from training_core.jail import runtime
 from training_core.jail.errors import SandboxUnavailable
 
 JAIL_USER = "oolong-jail"
@@ -58,20 +57,15 @@ def jail_user() -> tuple[int, int] | None:
 
 
 def python() -> str:
-    # The virtualenv's interpreter: its pyvenv.cfg makes the installed packages importable.
-    # Resolved like runtime_paths(): a virtualenv reached through a symlink (a worktree's .venv)
-    # is mounted at its real path, the only one that exists in the jail.
-    return str(Path(sys.prefix).resolve() / "bin" / "python")
+    """The jail's interpreter: the runtime image's, at a neutral path (``runtime.py``; the
+    image is built when the first jail is)."""
+    return runtime.interpreter()
 
 
 def runtime_paths() -> list[Path]:
-    """What the jailed Python may read: the interpreter, the virtualenv (installed packages) and
-    training_core (the built-in rewards), plus the system libraries."""
-    paths = {Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(),
-             Path(training_core.__file__).resolve().parent}
-    paths |= {Path(p) for p in RUNTIME_ROOTS if Path(p).exists()}
-    # Nested paths are covered by their parents.
-    return sorted(p for p in paths if not any(q != p and q in p.parents for q in paths))
+    """The system libraries the jailed Python may read, each at its own path (the interpreter,
+    its packages and training_core are images at neutral paths: ``runtime.py``)."""
+    return [Path(p) for p in RUNTIME_ROOTS if Path(p).exists()]
 
 
 # Kernel facts a jail has no use for, read as empty files: the boot command line, the build
@@ -95,9 +89,20 @@ def jail_argv(argv: list[str], *, files: dict[str, int] | None = None,
     own uid (``uids.lease()``; default: the ``oolong-jail`` user's). Use
     :func:`training_core.jail.spawn` unless you need the bare argv.
     """
+    options, command = jail_parts(argv, files=files, sockets=sockets, seccomp_fd=seccomp_fd,
+                                  tmpfs_mb=tmpfs_mb, uid=uid)
+    return [bwrap_path(), *options, *command]
+
+
+def jail_parts(argv: list[str], *, files: dict[str, int] | None = None,
+               sockets: dict[str, str] | None = None, seccomp_fd: int | None = None,
+               tmpfs_mb: int = 64, uid: int | None = None) -> tuple[list[str], list[str]]:
+    """:func:`jail_argv` in two: bwrap's options (the jail's layout, host paths included) and the
+    command it runs. :func:`training_core.jail.spawn` hands the options over by file descriptor
+    (``--args``): the jail's PID 1 is bwrap, and its ``/proc/1/cmdline`` is readable in the jail."""
     user = jail_user()
     size = str(tmpfs_mb * 2**20)
-    cmd = [bwrap_path()]
+    cmd: list[str] = []
     if user is None:
         cmd += ["--unshare-all", "--unshare-user", "--disable-userns",
                 "--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID)]
@@ -122,12 +127,17 @@ def jail_argv(argv: list[str], *, files: dict[str, int] | None = None,
     cmd += ["--dev", "/dev",
             "--perms", "1777", "--size", size, "--tmpfs", "/tmp",
             "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm"]
-    runtime = runtime_paths()
-    # bwrap makes missing parents 0700 (root's): the jail user could not walk to the runtime.
-    for parent in sorted({str(a) for p in runtime for a in p.parents if str(a) != "/"}):
-        cmd += ["--perms", "0755", "--dir", parent]
-    for path in runtime:
+    for path in runtime_paths():
         cmd += ["--ro-bind", str(path), str(path)]
+    # The interpreter, its packages and training_core: images at neutral paths. bwrap makes
+    # missing parents 0700 (root's): the jail user could not walk to them.
+    image = runtime.current()
+    for parent in ("/opt", "/opt/oolong"):
+        cmd += ["--perms", "0755", "--dir", parent]
+    cmd += ["--ro-bind", str(image.python_image), runtime.PYTHON_DIR,
+            "--ro-bind", str(image.lib_image), runtime.LIB_DIR]
+    for name, value in image.env:
+        cmd += ["--setenv", name, value]
     # Mounted last, at paths no runtime path lies under (a later mount would hide it).
     cmd += ["--perms", "1777", "--size", size, "--tmpfs", "/scratch"]
     cmd += ["--perms", "0755", "--dir", FILES_DIR]
@@ -138,9 +148,10 @@ def jail_argv(argv: list[str], *, files: dict[str, int] | None = None,
     cmd += ["--chdir", "/scratch"]
     if seccomp_fd is not None:
         cmd += ["--seccomp", str(seccomp_fd)]
+    command: list[str] = []
     if user is not None:
         jail_uid, gid = user
-        cmd += ["/usr/bin/setpriv", f"--reuid={jail_uid if uid is None else uid}",
-                f"--regid={gid}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
-                "--"]
-    return cmd + argv
+        command += ["/usr/bin/setpriv", f"--reuid={jail_uid if uid is None else uid}",
+                    f"--regid={gid}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
+                    "--"]
+    return cmd, command + argv

@@ -8,8 +8,9 @@ queued behind it, and the run goes on.
 The trainer never imports reward code it did not ship: a ``module:function`` reward (the user's
 code, written into the run directory by the web app, or a path an admin configured) is read from
 its file, not imported, and runs as source in the jail. It must be a self-contained module
-(standard library and installed packages). Built-in rewards are Oolong's own code; the jail runs
-them too (``executor: inline`` scores built-ins in-process, for rewards too cheap to ship out).
+(standard library and the jail runtime's packages: ``training_core/jail/runtime.py``). Built-in
+rewards are Oolong's own code; the jail runs them too (``executor: inline`` scores built-ins
+in-process, for rewards too cheap to ship out).
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ namespace serves it
 on ``127.0.0.1:<port>``, so an unmodified SDK with ``base_url=http://127.0.0.1:<port>/v1``
 works. The jail has no other network at all.
 
-The module is copied into the jail as one file (``user_agent.py``): it may import installed
-packages (``openai``, ``httpx``, ...), not sibling files.
+The module is copied into the jail as one file (``user_agent.py``): it may import the jail
+runtime's packages (``openai``, ``httpx``, ...: ``training_core/jail/runtime.py``), not sibling
+files.
 
 Failures (an exception in the agent, a bad return value, the wall-time limit, the turn or token
 limit): the episode is retried once (``rollout.agent.retries``) in a fresh session; if it fails
