@@ -261,7 +261,8 @@ def run_new(request: HttpRequest) -> HttpResponse:
             sweep = sweep_create(project=project, user=request.user, name=name,
                                  dataset_version=dataset_version, reward_version=reward_version,
                                  spec=data["spec"], axes=data["axes"],
-                                 share_warm_start=data["share_warm_start"])
+                                 share_warm_start=data["share_warm_start"],
+                                 eval_set_versions=eval_sets)
             return redirect("sweep-detail", sweep_id=sweep.id)
         run = run_create(project=project, user=request.user, name=name,
                          dataset_version=dataset_version, reward_version=reward_version,

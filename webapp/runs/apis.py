@@ -106,7 +106,8 @@ class RunCreateApi(APIView):
         reward_version = serializers.IntegerField()
         spec = serializers.DictField(required=False, default=dict)  # a mapping of sections
         eval_set_versions = serializers.ListField(
-            child=serializers.IntegerField(min_value=1), required=False, default=list,
+            child=serializers.IntegerField(min_value=1, max_value=2**63 - 1), required=False,
+            default=list,
             max_length=MAX_EVAL_SETS, help_text=(
                 "dataset versions of the project marked as eval sets: each is evaluated "
                 "beside the run's held-out rows and its questions are kept out of training"))
