@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from trl_side import grpo_config, trl_reward, trl_step_clock  # noqa: E402
 
 SKIP = 2  # first steps left out (CUDA context, allocator growth, the first push)
 TASK = {"group_size": 8, "batch_groups": 8, "max_new_tokens": 64, "lr": 1e-6,
@@ -88,8 +90,7 @@ def run_oolong(steps: int, seed: int, work: Path) -> dict[str, Any]:
 
 def run_trl(steps: int, seed: int, work: Path) -> dict[str, Any]:
     from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from training_core.data.datasets import load_data
     from training_core.data.templates import prompt_template_text
@@ -103,31 +104,12 @@ def run_trl(steps: int, seed: int, work: Path) -> dict[str, Any]:
     dataset = Dataset.from_list([
         {"prompt": [{"role": "user", "content": template.format(**r)}], "answer": str(r["answer"])}
         for r in load_data(spec.data, seed).train])
-    scorer = resolve_reward(spec.reward.fn, spec.reward.extract)
-
-    def reward(prompts, completions, answer, **_):
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [scorer(c, {"answer": a}) for c, a in zip(texts, answer, strict=True)]
-
-    class StepClock(TrainerCallback):
-        def __init__(self) -> None:
-            self.started, self.step_s = 0.0, []
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.started = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            self.step_s.append(time.perf_counter() - self.started)
-
     batch = TASK["group_size"] * TASK["batch_groups"]
-    config = GRPOConfig(
-        output_dir=str(work / "trl"), max_steps=steps, learning_rate=TASK["lr"], seed=seed,
-        per_device_train_batch_size=batch, num_generations=TASK["group_size"],
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
-        max_completion_length=TASK["max_new_tokens"], temperature=1.0, beta=0.0,
-        bf16=True, fp16=False, logging_steps=1, report_to=[], save_strategy="no",
-        disable_tqdm=True, dataloader_num_workers=0)
-    clock = StepClock()
+    config = grpo_config(work, steps=steps, seed=seed, lr=TASK["lr"],
+                         group_size=TASK["group_size"], batch_groups=TASK["batch_groups"],
+                         max_new_tokens=TASK["max_new_tokens"], bf16=True, use_cpu=False)
+    clock = trl_step_clock()
+    reward = trl_reward(resolve_reward(spec.reward.fn, spec.reward.extract))
     trainer = GRPOTrainer(model=load_model(model_dir), reward_funcs=reward, args=config,
                           train_dataset=dataset, processing_class=load_tokenizer(model_dir),
                           callbacks=[clock])

@@ -91,6 +91,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from trl_side import grpo_config, trl_reward  # noqa: E402
 from vs_trl import CORES, side_env  # noqa: E402
 from vs_trl import SYSTEMS as VS_TRL_SYSTEMS  # noqa: E402
 
@@ -260,7 +261,7 @@ def run_trl(task: dict[str, Any], pool: Path, seed: int, steps: int, points: lis
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from training_core.data.datasets import read_jsonl
     from training_core.models.loading import load_model, load_tokenizer
@@ -275,13 +276,9 @@ def run_trl(task: dict[str, Any], pool: Path, seed: int, steps: int, points: lis
     dataset = Dataset.from_list([
         {"prompt": [{"role": "user", "content": r["question"]}] if chat else r["question"],
          "answer": r["answer"]} for r in rows])
-    scorer = resolve_reward(spec.reward.fn, spec.reward.extract)
     trained: set[str] = set()
-
-    def reward(prompts, completions, answer, **_):
-        trained.update(p[-1]["content"] if isinstance(p, list) else p for p in prompts)
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [scorer(c, {"answer": a}) for c, a in zip(texts, answer, strict=True)]
+    reward = trl_reward(resolve_reward(spec.reward.fn, spec.reward.extract), on_prompts=lambda ps:
+                        trained.update(p[-1]["content"] if isinstance(p, list) else p for p in ps))
 
     saves, saved = work / "points", []
 
@@ -297,14 +294,9 @@ def run_trl(task: dict[str, Any], pool: Path, seed: int, steps: int, points: lis
             weights.pop("lm_head.weight", None)  # as Oolong's trainer: the engine re-ties
         return weight_files.save(folder, weights, dtype=torch.float32)
 
-    batch = task["group_size"] * task["batch_groups"]
-    config = GRPOConfig(
-        output_dir=str(work / "trl"), max_steps=steps, learning_rate=task["lr"], seed=seed,
-        per_device_train_batch_size=batch, num_generations=task["group_size"],
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
-        max_completion_length=task["max_new_tokens"], temperature=1.0, beta=0.0,
-        use_cpu=True, bf16=False, fp16=False, logging_steps=1, report_to=[],
-        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+    config = grpo_config(work, steps=steps, seed=seed, lr=task["lr"],
+                         group_size=task["group_size"], batch_groups=task["batch_groups"],
+                         max_new_tokens=task["max_new_tokens"], bf16=False, use_cpu=True)
     clock = TrainingClock()
     model_dir = spec_model_dir(spec)
     trainer = GRPOTrainer(model=load_model(model_dir), reward_funcs=reward, args=config,

@@ -55,6 +55,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from trl_side import grpo_config, trl_reward, trl_step_clock  # noqa: E402
 
 CORES = 2  # what each system gets in total (this machine's cores)
 SKIP = 3  # first steps left out of the median (allocations, caches, the first weight push)
@@ -135,8 +138,7 @@ def combine_rounds(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
 def run_trl(workload: str, model: Path, steps: int, seed: int, work: Path) -> dict[str, Any]:
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from training_core.data.datasets import load_data
     from training_core.data.templates import prompt_template_text
@@ -152,32 +154,12 @@ def run_trl(workload: str, model: Path, steps: int, seed: int, work: Path) -> di
     dataset = Dataset.from_list([
         {"prompt": [{"role": "user", "content": template.format(**r)}] if chat
          else template.format(**r), "answer": str(r["answer"])} for r in rows])
-    scorer = resolve_reward(spec.reward.fn, spec.reward.extract)
-
-    def reward(prompts, completions, answer, **_):
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [scorer(c, {"answer": a}) for c, a in zip(texts, answer, strict=True)]
-
-    class StepClock(TrainerCallback):
-        def __init__(self):
-            self.started, self.step_s = 0.0, []
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.started = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            self.step_s.append(time.perf_counter() - self.started)
-
     batch = w["group_size"] * w["batch_groups"]
-    config = GRPOConfig(
-        output_dir=str(work / "trl"), max_steps=steps, learning_rate=w["lr"], seed=seed,
-        per_device_train_batch_size=batch, num_generations=w["group_size"],
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
-        max_completion_length=w["max_new_tokens"], temperature=1.0, beta=0.0,
-        use_cpu=True, bf16=spec.model.dtype == "bfloat16", fp16=False, logging_steps=1,
-        report_to=[],
-        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
-    clock = StepClock()
+    config = grpo_config(work, steps=steps, seed=seed, lr=w["lr"], group_size=w["group_size"],
+                         batch_groups=w["batch_groups"], max_new_tokens=w["max_new_tokens"],
+                         bf16=spec.model.dtype == "bfloat16", use_cpu=True)
+    clock = trl_step_clock()
+    reward = trl_reward(resolve_reward(spec.reward.fn, spec.reward.extract))
     trainer = GRPOTrainer(model=load_model(model), reward_funcs=reward, args=config,
                           train_dataset=dataset, processing_class=load_tokenizer(model),
                           callbacks=[clock])

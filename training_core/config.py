@@ -454,6 +454,47 @@ class CheckpointSpec(_Section):
     keep: int = Field(2, ge=1, description="newest checkpoints kept")
 
 
+MAX_EVAL_SETS = 8
+EVAL_SET_NAME = r"^[a-z0-9][a-z0-9_-]{0,39}$"
+
+
+class EvalSetSpec(_Section):
+    """A named eval set besides the run's own held-out split (``eval/<name>/...``): a file of
+    questions (in the web app, a dataset version marked as an eval set). Every question it asks
+    leaves the training pool, as the run's own held-out questions do."""
+
+    name: str = Field(..., pattern=EVAL_SET_NAME, description=(
+        "the set's name in eval/<name>/... metrics: 1-40 of a-z, 0-9, _ and -"))
+    source: str = Field(..., description="a data.source of a file kind (jsonl:PATH, csv:PATH, ...)")
+    question_field: str = Field("question", description="the rows' prompt column")
+    answer_field: str = Field("answer", description="the rows' reference answer column")
+    size: int | None = Field(None, gt=0, description=(
+        "at most this many distinct questions; empty: eval.size"))
+
+    @field_validator("name")
+    @classmethod
+    def _not_the_run_split(cls, value: str) -> str:
+        from training_core.metric_names import DEFAULT_EVAL_SET  # plain strings
+
+        if value == DEFAULT_EVAL_SET:
+            raise ValueError(f"{DEFAULT_EVAL_SET!r} is the run's own held-out split; name the set "
+                             "after its data")
+        return value
+
+    @field_validator("source")
+    @classmethod
+    def _a_file(cls, value: str) -> str:
+        kind = value.partition(":")[0]
+        if kind not in FILE_SOURCE_KINDS:
+            raise ValueError(f"source {value!r}: an eval set is a file of questions; use one of "
+                             f"{', '.join(k + ':PATH' for k in FILE_SOURCE_KINDS)} (a generator's "
+                             "held-out questions are the run's own split, data.eval_size)")
+        return value
+
+
+FILE_SOURCE_KINDS = ("jsonl", "parquet", "csv", "hf_disk", "gsm8k")
+
+
 class EvalSpec(_Section):
     every: int = Field(10, ge=0, description=(
         "steps between evals; 0 disables (otherwise the final version is always evaluated)"))
@@ -464,6 +505,16 @@ class EvalSpec(_Section):
     k: int | None = Field(None, ge=1, description=(
         "k of avg@k, pass@k (unbiased, from the n samples) and maj@k (the first k); at most "
         "eval.samples; empty: eval.samples"))
+    sets: list[EvalSetSpec] = Field(default_factory=list, max_length=MAX_EVAL_SETS, description=(
+        "named eval sets besides the run's own held-out split, each evaluated and logged as "
+        "eval/<name>/...; their questions never reach training"))
+
+    @model_validator(mode="after")
+    def _set_names_unique(self) -> EvalSpec:
+        names = [s.name for s in self.sets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval.sets: names must be unique, got {names}")
+        return self
 
     @model_validator(mode="after")
     def _k_within_samples(self) -> EvalSpec:

@@ -4,8 +4,8 @@
     oolong eval runs/demo --version 100 --samples 8 --k 4     # avg@4, pass@4, maj@4 too
     oolong eval runs/demo --data jsonl:test.jsonl --name test --out test-eval.json
 
-The run's own eval set is rebuilt from its spec (the same split, held out of its training pool);
-another set (``--data``, any ``data.source``) is checked against the run's training pool first:
+The run's own eval set (or one of its ``eval.sets``, by ``--name``) is rebuilt from its spec
+(the same split, held out of its training pool); another set (``--data``, any ``data.source``) is checked against the run's training pool first:
 an overlap is an error unless ``--allow-overlap`` says an in-sample evaluation is intended. The
 numbers are :func:`training_core.offline_eval.evaluate_version`'s, generated in this process.
 """
@@ -30,8 +30,8 @@ def stored_eval(run_dir: str | Path, *, version: int | None = None, data: str | 
     from training_core.config import load_spec
     from training_core.data.datasets import (
         distinct_questions,
-        load_data,
         load_rows,
+        load_run_data,
         overlap_fraction,
     )
     from training_core.metric_names import DEFAULT_EVAL_SET
@@ -54,11 +54,15 @@ def stored_eval(run_dir: str | Path, *, version: int | None = None, data: str | 
     if samples < 0 or (k is not None and not 1 <= k <= samples):
         raise EvalCommandError(f"--k {k} with --samples {samples}: k must be within 1..samples "
                                "(pass@k needs at least k samples per question)")
-    run_data = load_data(spec.data, spec.seed)  # the run's own split: its training pool
+    run_data = load_run_data(spec)  # the run's own split and eval.sets: its training pool
     if data is None:
         set_name = name or DEFAULT_EVAL_SET
-        rows = run_data.eval[: spec.eval.size]
-        overlap = run_data.overlap.get(DEFAULT_EVAL_SET, 0.0)
+        if set_name not in run_data.eval_sets:
+            raise EvalCommandError(f"--name {set_name!r}: the run has no such eval set; it has "
+                                   f"{sorted(run_data.eval_sets)} (or give --data)")
+        rows = run_data.eval_sets[set_name]
+        rows = rows[: spec.eval.size] if set_name == DEFAULT_EVAL_SET else rows
+        overlap = run_data.overlap.get(set_name, 0.0)
     else:
         set_name = name or re.sub(r"[^A-Za-z0-9_-]+", "_", Path(data.partition(":")[2]).stem)
         rows = distinct_questions(load_rows(

@@ -69,7 +69,7 @@ TRAINING_S = _name("time/training_s")
 
 # ---- named timers: train.Timers reports each as time/<name>_s ------------------------------------
 TIMERS = ("wait_rollout", "prepare", "proximal_logp", "update", "export_weights",
-          "weight_sync_pause", "eval", "checkpoint", "checkpoint_upload",
+          "weight_sync_pause", "eval_wait", "checkpoint", "checkpoint_upload",
           "forward", "backward", "optimizer")  # the last three: the trainer's own split
 
 
@@ -96,6 +96,7 @@ DECODE_BATCH_MEAN = _name("rollout/decode_batch_mean")
 EVAL_ACCURACY = _name("eval/accuracy")  # greedy, on held-out rows
 EVAL_REWARD = _name("eval/reward")
 EVAL_ERRORS = _name("eval/errors")  # eval rows whose generation or scoring failed (scored 0)
+EVAL_SECONDS = _name("eval/seconds")  # one evaluation's own length (beside training: eval_wait)
 # Per eval set (eval_stats.py, evaluation.evaluate_sets): eval/<set>/<metric>. A run's own
 # held-out set is DEFAULT_EVAL_SET; each *_ci_lo / *_ci_hi pair is the metric's 95% interval.
 DEFAULT_EVAL_SET = "heldout"

@@ -86,16 +86,22 @@ def _truncate_steps(path: Path, last_step: int) -> int:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The run's metrics, one dict per step in step order of first appearance. A step may have
+    more than one record in the file (an evaluation, which runs beside the next step, is logged
+    at the step it was taken at when it finishes): they are merged, the step's own line winning
+    a key both carry (its ``time``)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    rows = []
+    steps: dict[Any, dict[str, Any]] = {}
     for line in path.read_text().splitlines():
         try:
-            rows.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:  # a line being written right now
             continue
-    return rows
+        merged = steps.setdefault(record.get("step"), {})
+        merged.update({k: v for k, v in record.items() if k not in merged})
+    return list(steps.values())
 
 
 def _each(sinks: list[MetricsSink], call: Any) -> None:

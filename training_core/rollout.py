@@ -35,6 +35,7 @@ atomically; a resumed run hands them out again first, so no prompt is skipped.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -105,7 +106,12 @@ class RolloutExecutor:
 
     def run_coro(self, coro: Any, timeout: float | None = None) -> Any:
         """Run a coroutine (pause, weight update, ...) on the executor's loop from the trainer."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return self.submit_coro(coro).result(timeout)
+
+    def submit_coro(self, coro: Any) -> concurrent.futures.Future:
+        """Start a coroutine on the executor's loop (beside the episodes); the trainer's thread
+        goes on and reads the future when it needs the result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def resume_state(self) -> dict[str, Any]:
         """What a checkpoint needs to resume the prompt stream exactly (see the module doc)."""

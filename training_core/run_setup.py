@@ -27,8 +27,9 @@ from training_core.api import MetricsSink, SamplingParams, TrainEngine, WeightRe
 from training_core.checkpoint import checkpoint_dir, latest_checkpoint
 from training_core.checkpoint_store import CheckpointStore
 from training_core.config import RunSpec, dump_spec
-from training_core.data.datasets import PromptLoader, TrainedQuestions, load_data
+from training_core.data.datasets import LoadedData, PromptLoader, TrainedQuestions, load_run_data
 from training_core.launch import new_server_key, start_fleet
+from training_core.metric_names import DEFAULT_EVAL_SET
 from training_core.metrics import JsonlSink, MultiSink, truncate_metrics
 from training_core.models.loading import load_tokenizer
 from training_core.models.paths import run_model_dir
@@ -70,7 +71,7 @@ class Rollout:
     rewards: RewardPool
     ctx: WorkflowContext
     executor: RolloutExecutor
-    eval_rows: list[dict[str, Any]]
+    eval_sets: dict[str, list[dict[str, Any]]]  # name -> rows: the run's split, then eval.sets
     eval_overlap: dict[str, float]  # per eval set: its questions in the train pool
     trained: TrainedQuestions  # the questions training batches held (this process)
     threads: ThreadShare
@@ -80,12 +81,11 @@ class Rollout:
     control: asyncio.AbstractEventLoop
     fleet: Fleet | None  # the servers this run started; None when the spec gave their URLs
 
-    def call(self, coro: Any, *, beside_episodes: bool = False) -> Any:
-        """The one way the trainer's thread runs a coroutine and waits for it: on the control
-        loop (pause, weight load, resume: never queued behind episodes), or ``beside_episodes``
-        on the executor's loop (evaluation: the workflow's own resources live there)."""
-        if beside_episodes:
-            return self.executor.run_coro(coro)
+    def call(self, coro: Any) -> Any:
+        """The one way the trainer's thread runs a control coroutine (pause, weight load,
+        resume) and waits for it: on the control loop, never queued behind episodes (an
+        evaluation, which uses the workflow's resources, starts on the executor's loop:
+        ``executor.submit_coro``)."""
         return self.control.run_until_complete(coro)
 
 
@@ -152,7 +152,7 @@ def build_run(spec: RunSpec, *, resume_dir: str | Path | None = None,
 
     # ---- rank 0: the rollout side ---------------------------------------------------------------
     tokenizer = load_tokenizer(model_dir)
-    data = load_data(spec.data, spec.seed)
+    data = load_run_data(spec)
     # The run's server key: the launcher's (a flow-started trainer), else a new one for the
     # servers started here; given servers that want one are given it in OOLONG_SERVER_KEY.
     server_key = os.environ.get(SERVER_KEY_ENV) or new_server_key()
@@ -220,10 +220,18 @@ def _build_rollout(run: Run, spec: RunSpec, tokenizer: Any, data: Any, sink: Met
         raise
     run.rollout = Rollout(
         tokenizer=tokenizer, sink=sink, client=client, staleness=staleness, rewards=rewards,
-        ctx=ctx, executor=executor, eval_rows=data.eval[: spec.eval.size],
+        ctx=ctx, executor=executor, eval_sets=eval_sets(data, spec.eval.size),
         eval_overlap=data.overlap, trained=TrainedQuestions(data.train, spec.seed),
         threads=ThreadShare(spec, fleet, executor, run.world),
         profile=RolloutProfile(client), control=control, fleet=fleet)
+
+
+def eval_sets(data: LoadedData, size: int) -> dict[str, list[dict[str, Any]]]:
+    """The sets a run evaluates: its own held-out split (``eval.size`` of it) and the named
+    ``eval.sets`` (sized when loaded), leaving out empty ones."""
+    sets = {name: rows[:size] if name == DEFAULT_EVAL_SET else rows
+            for name, rows in data.eval_sets.items()}
+    return {name: rows for name, rows in sets.items() if rows}
 
 
 def _abandon(control: asyncio.AbstractEventLoop, client: RolloutClient, sync: WeightSync,

@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from training_core.config import RunSpec
-from training_core.data.datasets import warm_start_rows
+from training_core.data.datasets import named_eval_sets, warm_start_rows
 from training_core.models.loading import load_model, load_tokenizer
 from training_core.models.paths import spec_model_dir
 from training_core.optim import adamw
@@ -28,7 +28,8 @@ def sft(spec: RunSpec, out_dir: str | Path, *, steps: int = 300, seconds: float 
     model_dir = spec_model_dir(spec)
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir).train()
-    rows = warm_start_rows(spec.data, spec.seed)  # never the RL run's eval questions
+    rows = warm_start_rows(spec.data, spec.seed,  # never the RL run's eval questions
+                           named=named_eval_sets(spec.eval.sets, spec.eval.size))
     ctx = WorkflowContext(tokenizer=tok, rewards=None, sampling=None, group_size=1,  # type: ignore[arg-type]
                           prompt_template=spec.data.prompt_template,
                           chat_template=spec.data.chat_template)

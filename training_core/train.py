@@ -5,16 +5,18 @@ staleness bound); this loop only consumes. Each step, in seven parts:
 
     1. take a batch  2. tensors and advantages  3. proximal logprobs  4. update
     5. export the weights  6. PAUSE generation, the servers load them, RESUME
-    7. evaluate, report, checkpoint (generation already running again)
+    7. start an evaluation (beside the next step), report, checkpoint
 
 Generation pauses only for the weight load itself: exporting the weights happens before the pause
-and checkpointing, evaluation and reporting after the resume. The parts the loop uses are wired
+and checkpointing, evaluation and reporting after the resume. An evaluation runs beside the
+next step, on the servers; only the next push waits for what is left of it. The parts the loop uses are wired
 in run_setup.py (``Run``: every rank's parts, ``Run.rollout``: rank 0's rollout side); what a
 step reports, and where it goes, is step_report.py; the metrics' names are in step_metrics.py.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -78,13 +80,13 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
     timers, refusals = Timers(), UpdateRefusals(spec, side.sink)
     report = StepReport(spec, side.sink, run.run_dir, side.tokenizer, side.profile,
                         first_step=run.first_step, progress=progress)
-    evals = Evaluations(run)
+    evals = Evaluations(run, report)
     report.started(policy.current)
     side.executor.start()
     step = run.first_step - 1
     try:
         if evals.due_before_training():
-            report.evaluated(0, policy.current, evals.evaluate(step=0))
+            evals.start(step=0)  # the starting point, beside the first step
         report.step_started()
         for step in range(run.first_step, spec.trainer.steps + 1):
 
@@ -115,29 +117,32 @@ def train(spec: RunSpec, *, resume_dir: str | Path | None = None, progress: bool
 
             # 6. Pause generation only for the load, then advance the version: in-flight requests
             #    abort and are re-submitted with their partial output once generation continues.
+            with timers("eval_wait"):  # an evaluation in flight finishes on the old weights
+                evals.settle()
             with timers("weight_sync_pause"):
                 side.call(push_weights(side.client, sync, policy))
             side.executor.kick()  # the staleness bound just moved: start more episodes
 
-            # 7. Evaluate, report, then checkpoint: generation is already running again. The
-            #    step's line is written before its checkpoint completes, so a complete checkpoint
-            #    of step N always has step N's metrics (a resume drops the lines after its
-            #    checkpoint and trains those steps again). Checkpoint time lands in the next
-            #    step's time/*.
+            # 7. Start an evaluation (it runs beside the next step), report, then checkpoint:
+            #    generation is already running again. The step's line is written before its
+            #    checkpoint completes, so a complete checkpoint of step N always has step N's
+            #    metrics (a resume drops the lines after its checkpoint and trains those steps
+            #    again). Checkpoint time lands in the next step's time/*.
             if evals.due_at(step):
-                with timers("eval"):
-                    metrics.update(evals.evaluate(step))
+                evals.start(step)
             report.step_done(step, policy.current, batch, stats, metrics,
                              running=side.staleness.stats().running, timings=timers.pop())
             saved = checkpoint_if_due(trainer, spec, run.run_dir, step, policy.current,
                                       lambda: {**side.executor.resume_state(),
                                                "undelivered": side.sink.undelivered()}, timers)
             report.checkpointed(step, policy.current, saved)
+        evals.settle()
         if evals.final_version_missed(step):
             # The last steps were refused (update_guard): the final version still gets its eval.
-            report.evaluated(step, policy.current, evals.evaluate(step))
+            evals.evaluate_now(step)
         report.finished(step, policy.current)
     except BaseException as exc:
+        evals.abandon()
         if run.world > 1:
             scatter_batch(None, run.world)  # tell the other ranks to stop
         report.failed(exc, step)
@@ -253,15 +258,20 @@ def reduce_mismatch(sums: dict[str, float], world: int) -> dict[str, float]:
 class Evaluations:
     """When the loop evaluates (before the first step, every ``eval.every`` steps, the last
     step, and a final version the last steps left unevaluated) and the evaluation itself:
-    greedy, beside training, on the rollout servers; rows that failed are counted (eval/errors)
-    and the first failure is evented."""
+    greedy (and sampled, ``eval.samples``) on every eval set, on the rollout servers beside
+    training. The trainer does not wait for it: an evaluation started after step N's push runs
+    while step N+1 takes its batch and updates, and only the next push (which would change the
+    weights under it) or the run's end waits for what is left (``time/eval_wait_s``, the cost to
+    training; ``eval/seconds``, its own length). Its results are logged at the step it was taken
+    at, with the version. Rows that failed are counted (eval/errors), the first failure evented."""
 
-    def __init__(self, run: Run):
-        self.run, self.side, self.spec = run, run.rollout, run.spec
-        self.enabled = bool(self.spec.eval.every and self.side.eval_rows)
+    def __init__(self, run: Run, report: StepReport):
+        self.run, self.side, self.spec, self.report = run, run.rollout, run.spec, report
+        self.enabled = bool(self.spec.eval.every and self.side.eval_sets)
         self.first: dict[str, float] | None = None
         self.last: dict[str, float] | None = None
         self.version = -1  # the weight version last evaluated: the final one always is
+        self._pending: tuple[concurrent.futures.Future, int, int, float, list[str]] | None = None
 
     def due_before_training(self) -> bool:
         return self.enabled and self.run.first_step == 1
@@ -274,24 +284,45 @@ class Evaluations:
         return (self.enabled and step >= self.run.first_step
                 and self.version != self.run.policy.current)
 
-    def evaluate(self, step: int) -> dict[str, float]:
-        errors: list[str] = []
-        rows = self.side.eval_rows
-        out = self.side.call(evaluate_sets(
-            self.side.client, self.side.ctx, {metric_names.DEFAULT_EVAL_SET: rows},
-            max_new_tokens=self.spec.rollout.max_new_tokens,
-            version=self.run.policy.current, samples=self.spec.eval.samples, k=self.spec.eval.k,
+    def start(self, step: int) -> None:
+        """Evaluate the current weights on every set, beside the episodes; returns at once."""
+        self.settle()
+        sets, version, errors = self.side.eval_sets, self.run.policy.current, []
+        coro = evaluate_sets(
+            self.side.client, self.side.ctx, sets, max_new_tokens=self.spec.rollout.max_new_tokens,
+            version=version, samples=self.spec.eval.samples, k=self.spec.eval.k,
             overlap=self.side.eval_overlap, errors=errors,
-            seen={metric_names.DEFAULT_EVAL_SET: self.side.trained.fraction(rows)}),
-            beside_episodes=True)
+            seen={name: self.side.trained.fraction(rows) for name, rows in sets.items()})
+        self._pending = (self.side.executor.submit_coro(coro), step, version,
+                         time.perf_counter(), errors)
+        self.version = version
+
+    def settle(self) -> None:
+        """Wait for the evaluation in flight, if any, and report it (before a push: the weights
+        must not change under it)."""
+        if self._pending is None:
+            return
+        future, step, version, started, errors = self._pending
+        self._pending = None
+        out = {**future.result(), metric_names.EVAL_SECONDS: time.perf_counter() - started}
         if errors:
-            self.side.sink.event("eval_errors", f"{len(errors)} eval completions on {len(rows)} "
-                                 f"rows failed (scored 0); first: {errors[0][:2000]}", step=step)
-        self.version = self.run.policy.current
+            n = sum(len(rows) for rows in self.side.eval_sets.values())
+            self.side.sink.event("eval_errors", f"{len(errors)} eval completions on {n} rows "
+                                 f"failed (scored 0); first: {errors[0][:2000]}", step=step)
         if step == 0:  # before the first step: the run's starting point
             self.first = out
         self.last = out
-        return out
+        self.report.evaluated(step, version, out)
+
+    def evaluate_now(self, step: int) -> None:
+        self.start(step)
+        self.settle()
+
+    def abandon(self) -> None:
+        """A failing run does not wait for its evaluation."""
+        if self._pending is not None:
+            self._pending[0].cancel()
+            self._pending = None
 
 
 def checkpoint_if_due(trainer: TrainEngine, spec: RunSpec, run_dir: Path, step: int,

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from training_core.config import RunSpec
 from training_core.launch import run_env
@@ -48,14 +49,22 @@ def warm_start(spec: RunSpec, spec_path: Path, run_dir: Path, run_id: int | None
 
 
 def warm_start_key(spec: RunSpec) -> str:
-    """What a warm start depends on: the model, the data (a file by its content) and the seed."""
-    data = spec.data.model_dump(mode="json")
-    kind, _, where = spec.data.source.partition(":")
+    """What a warm start depends on: the model, the data and the named eval sets (whose
+    questions it leaves out; a file by its content) and the seed."""
+    blob = json.dumps({"model": spec.model.model_dump(mode="json"), "data": _by_content(spec.data),
+                       "eval_sets": [_by_content(s) for s in spec.eval.sets],
+                       "seed": spec.seed, "eval_size": spec.eval.size if spec.eval.sets else None},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _by_content(section: Any) -> dict[str, Any]:
+    """A spec section with its ``source`` file named by its content's hash, not its path."""
+    data = section.model_dump(mode="json")
+    kind, _, where = section.source.partition(":")
     if Path(where).is_file():
         data["source"] = f"{kind}:sha256:{hashlib.sha256(Path(where).read_bytes()).hexdigest()}"
-    blob = json.dumps({"model": spec.model.model_dump(mode="json"), "data": data,
-                       "seed": spec.seed}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return data
 
 
 def _sft(spec: RunSpec, spec_path: Path, out: Path, log: Path, run_dir: Path,

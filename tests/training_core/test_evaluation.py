@@ -239,3 +239,56 @@ def test_oolong_eval_evaluates_a_stored_version_of_a_finished_run(tmp_path, caps
     assert other["metrics"]["eval/train_like/overlap_train_pool"] > 0.5
     assert main(["eval", str(run_dir), "--version", "7"]) == 2
     assert "no such weights" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_evaluation_runs_beside_training_on_every_eval_set(tmp_path):
+    """A real run (tiny model, embedded server, trainer) with a named eval set besides its own
+    split, evaluated before training and after every step. Each evaluation is logged at the step
+    it was taken at, on both sets, with the version of that step; none of the named set's
+    questions reaches a training batch; and the trainer did not wait for the evaluations: the
+    next push waited less (time/eval_wait_s) than each evaluation took (eval/seconds), since the
+    next step's batch and update ran beside it (a loop that evaluated in line would wait all of
+    it). ``oolong eval --name`` re-evaluates the named set of the finished run."""
+    import json
+
+    from training_core import metric_names as M
+    from training_core.cli import main
+    from training_core.data.datasets import load_data
+    from training_core.metrics import read_metrics
+    from training_core.train import train
+
+    base = ["model.path=tiny", "rollout.max_new_tokens=8", "rollout.max_concurrent=8",
+            "rollout.group_size=2", "trainer.batch_groups=2", "trainer.steps=3",
+            "checkpoint.every=0", "data.size=2000", "data.options={max_value: 9}",
+            "eval.every=1", "eval.size=6", "reward.fn=builtin:arithmetic",
+            "reward.executor=inline", f"run_dir={tmp_path / 'run'}"]
+    plain = load_spec(None, base)
+    pool = sorted({r["question"] for r in load_data(plain.data, plain.seed).train})
+    extra = [{"question": q, "answer": q} for q in pool[:8]]  # questions training would draw
+    path = tmp_path / "extra.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in extra))
+    spec = load_spec(None, [*base, f"eval.sets=[{{name: extra, source: 'jsonl:{path}', size: 8}}]"])
+    result = train(spec, progress=False)
+    rows = read_metrics(result.run_dir)
+
+    X = {m: M.eval_set_metric("extra", m) for m in M.EVAL_SET_METRICS}
+    H = M.EVAL_HELDOUT
+    evals = {r["step"]: r for r in rows if H["version"] in r}
+    assert sorted(evals) == [0, 1, 2, 3]
+    for step, r in evals.items():
+        assert r[H["version"]] == r[X["version"]] == step  # each step's weights
+        assert r[X["questions"]] == 8 and r[H["questions"]] == 6
+        assert r[X["overlap_train_pool"]] == 0.0 and r[X["seen_in_trained_batch"]] == 0.0
+        assert r[M.EVAL_SECONDS] > 0
+    lines = {r["step"]: r for r in rows if M.STEP_S in r}
+    for step in (1, 2, 3):  # the push of step N waited for the evaluation of step N - 1
+        assert lines[step][M.timer("eval_wait")] < evals[step - 1][M.EVAL_SECONDS]
+    assert result.last_eval[H["version"]] == 3 and result.first_eval[H["version"]] == 0
+
+    out = tmp_path / "extra-eval.json"
+    assert main(["eval", str(result.run_dir), "--name", "extra", "--out", str(out)]) == 0
+    again = json.loads(out.read_text())
+    assert again["set"] == "extra" and again["version"] == 3
+    assert again["metrics"][X["greedy_accuracy"]] == evals[3][X["greedy_accuracy"]]
+    assert main(["eval", str(result.run_dir), "--name", "nope"]) == 2

@@ -34,7 +34,7 @@ def test_metric_values_are_shown_with_units_in_groups():
     assert format_metric("version", 80.0) == "80"
     assert format_metric("tokens/consumed", 72000.0) == "72,000"
     assert format_metric("time/step_s", 0.2314) == "231 ms"
-    assert format_metric("time/eval_s", 12.5) == "12.50 s"
+    assert format_metric("time/eval_wait_s", 12.5) == "12.50 s"
     assert format_metric("tokens_per_s", 3676.4) == "3,676/s"
     assert format_metric("eval/accuracy", 0.935) == "93.5%"
     assert format_metric("rollout/server_busy_frac", 0.5) == "50.0%"

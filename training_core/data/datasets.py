@@ -11,6 +11,7 @@ import json
 import random
 import re
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,7 +180,32 @@ def load_rows(source: str, *, options: dict[str, Any], size: int, seed: int,
     return _normalise(readers[kind](path), question_field, answer_field, str(path))
 
 
-def load_data(spec_data: Any, seed: int) -> LoadedData:
+def load_run_data(spec: Any) -> LoadedData:
+    """A run's data as its spec says: the training pool, its own held-out split and the named
+    eval sets (``eval.sets``), every eval question out of the pool (the one rule every caller
+    that trains or evaluates a run goes through)."""
+    return load_data(spec.data, spec.seed, named=named_eval_sets(spec.eval.sets, spec.eval.size))
+
+
+def named_eval_sets(sets: Sequence[Any], default_size: int) -> dict[str, list[dict[str, Any]]]:
+    """``eval.sets``: each file's distinct questions (first row of each, file order), at most
+    ``size`` (or ``eval.size``) of them."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for i, s in enumerate(sets):
+        try:
+            rows = distinct_questions(load_rows(s.source, options={}, size=0, seed=0,
+                                                question_field=s.question_field,
+                                                answer_field=s.answer_field))
+        except DatasetError as exc:
+            raise DatasetError(f"eval.sets[{i}] ({s.name}): {exc}") from None
+        if not rows:
+            raise DatasetError(f"eval.sets[{i}] ({s.name}): {s.source} has no rows")
+        out[s.name] = rows[: s.size or default_size]
+    return out
+
+
+def load_data(spec_data: Any, seed: int,
+              named: dict[str, list[dict[str, Any]]] | None = None) -> LoadedData:
     """The training pool and the held-out eval set, disjoint by question (:func:`question_key`).
 
     Generators draw eval rows from their own seed stream (EVAL_SEED_OFFSET), each question
@@ -188,7 +214,8 @@ def load_data(spec_data: Any, seed: int) -> LoadedData:
     draw's distinct questions leave it for them. Then every training row that asks an eval
     question is removed (a generator with a small question space repeats questions across
     streams), unless ``data.allow_eval_overlap`` says an in-sample evaluation is intended. The
-    measured overlap is kept per set; one above 0 that the spec did not allow is an error."""
+    measured overlap is kept per set; one above 0 that the spec did not allow is an error.
+    ``named`` eval sets (``eval.sets``, :func:`named_eval_sets`) leave the pool the same way."""
     kind = spec_data.source.split(":", 1)[0]
     common = dict(options=spec_data.options, question_field=spec_data.question_field,
                   answer_field=spec_data.answer_field)
@@ -205,7 +232,7 @@ def load_data(spec_data: Any, seed: int) -> LoadedData:
         train, evals = split_by_question(rows, spec_data.eval_size, seed)
         if getattr(spec_data, "allow_eval_overlap", False):
             train = rows  # in-sample on purpose: the eval questions stay in the pool too
-    return held_out(train, {DEFAULT_EVAL_SET: evals},
+    return held_out(train, {DEFAULT_EVAL_SET: evals, **(named or {})},
                     allow_overlap=bool(getattr(spec_data, "allow_eval_overlap", False)),
                     source=spec_data.source)
 
@@ -276,16 +303,19 @@ def held_out(train: list[dict[str, Any]], eval_sets: dict[str, list[dict[str, An
     return LoadedData(train, first, dict(eval_sets), overlap, removed)
 
 
-def warm_start_rows(spec_data: Any, seed: int) -> list[dict[str, Any]]:
+def warm_start_rows(spec_data: Any, seed: int,
+                    named: dict[str, list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
     """Rows for a supervised warm start (training_core/sft.py): another draw than the RL run's
-    first (seed + 1), without the RL run's eval questions, which no training may see; unless
-    the spec evaluates in-sample on purpose (``data.allow_eval_overlap``): the warm start is
-    training too, and then sees them as the RL run does."""
+    first (seed + 1), without the RL run's eval questions (its own split and the ``named`` sets),
+    which no training may see; unless the spec evaluates in-sample on purpose
+    (``data.allow_eval_overlap``): the warm start is training too, and then sees its own split's
+    questions as the RL run does."""
+    run = load_data(spec_data, seed, named=named)
+    draw = load_data(spec_data, seed + 1, named=named).train
     if getattr(spec_data, "allow_eval_overlap", False):
-        return load_data(spec_data, seed + 1).train + load_data(spec_data, seed).eval
-    held = {question_key(r["question"]) for r in load_data(spec_data, seed).eval}
-    return [r for r in load_data(spec_data, seed + 1).train
-            if question_key(r["question"]) not in held]
+        return draw + run.eval
+    held = {question_key(r["question"]) for rows in run.eval_sets.values() for r in rows}
+    return [r for r in draw if question_key(r["question"]) not in held]
 
 
 class PromptLoader:

@@ -210,3 +210,56 @@ def test_trained_questions_measure_what_training_batches_held():
     everything = TrainedQuestions(held.train, seed=0)
     everything.add(list(range(4_000)))
     assert everything.fraction(held.eval) == 0.0
+
+
+def test_named_eval_sets_leave_the_training_pool_and_the_warm_start(tmp_path):
+    """eval.sets: a file of questions, some of which the generator also draws. Each set keeps its
+    distinct questions (first row of each, at most its size), every one of them leaves the
+    training pool and the warm start, and the measured overlap is 0 per set."""
+    from training_core.config import load_spec
+    from training_core.data.datasets import load_run_data, question_key, warm_start_rows
+
+    run = ["data.options={max_value: 9, max_terms: 2}", "data.size=3000", "data.eval_size=10",
+           "eval.size=10"]
+    plain_spec = load_spec(None, run)  # the same run without the set
+    plain = load_data(plain_spec.data, plain_spec.seed)
+    shared = sorted({r["question"] for r in plain.train})[:12]  # training would draw them
+    rows = [{"q": q, "a": "0"} for q in shared] + [{"q": shared[0], "a": "0"}]  # one copy
+    path = _write_jsonl(tmp_path / "extra.jsonl", rows)
+    spec = load_spec(None, [*run, f"eval.sets=[{{name: extra, source: 'jsonl:{path}', "
+                            "question_field: q, answer_field: a}]"])
+    data = load_run_data(spec)
+    assert list(data.eval_sets) == ["heldout", "extra"]
+    assert len(data.eval_sets["extra"]) == 10  # 12 distinct, eval.size bounds it
+    assert data.overlap == {"heldout": 0.0, "extra": 0.0}
+    trained = {question_key(r["question"]) for r in data.train}
+    assert not trained & {question_key(q) for q in shared[:10]}
+    assert question_key(shared[11]) in trained  # beyond the set's size: still trained on
+    warm = {question_key(r["question"])
+            for r in warm_start_rows(spec.data, spec.seed, named={"extra": data.eval_sets["extra"]})}
+    assert warm and not warm & {question_key(q) for q in shared[:10]}
+    # Control: without the set, those questions are in the pool.
+    assert plain.eval == data.eval
+    assert {question_key(q) for q in shared[:10]} <= {question_key(r["question"]) for r in plain.train}
+
+
+def test_an_eval_set_is_a_named_file_never_the_runs_own_split():
+    from training_core.config import SpecError, load_spec
+
+    for sets, field_text in [
+        ("[{name: heldout, source: 'jsonl:x.jsonl'}]", "run's own held-out split"),
+        ("[{name: Bad Name, source: 'jsonl:x.jsonl'}]", "eval.sets.0.name"),
+        ("[{name: gen, source: 'synthetic:arithmetic'}]", "a file of questions"),
+        ("[{name: a, source: 'jsonl:x'}, {name: a, source: 'jsonl:y'}]", "unique"),
+    ]:
+        with pytest.raises(SpecError, match=field_text.replace("(", r"\(")):
+            load_spec(None, [f"eval.sets={sets}"])
+
+
+def test_a_missing_eval_set_file_names_its_set(tmp_path):
+    from training_core.config import load_spec
+    from training_core.data.datasets import load_run_data
+
+    spec = load_spec(None, [f"eval.sets=[{{name: gone, source: 'jsonl:{tmp_path}/no.jsonl'}}]"])
+    with pytest.raises(DatasetError, match=r"eval.sets\[0\] \(gone\).*does not exist"):
+        load_run_data(spec)
