@@ -78,7 +78,7 @@ def cmd_create(args: argparse.Namespace) -> int:
         run = http.post("/api/runs/", json={
             "project": args.project, "name": args.name or spec.get("name", "run"),
             "dataset_version": args.dataset_version, "reward_version": args.reward_version,
-            "spec": spec})
+            "spec": spec, "eval_set_versions": args.eval_set_versions or []})
     print(f"created run {run['id']} ({run['status']})")
     if args.watch:
         args.run_id = run["id"]
@@ -292,6 +292,10 @@ def add_runs_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--project", type=int, required=True)
     c.add_argument("--dataset-version", type=int, required=True)
     c.add_argument("--reward-version", type=int, required=True)
+    c.add_argument("--eval-set-version", type=int, action="append", dest="eval_set_versions",
+                   metavar="ID", help="a dataset version marked as an eval set, evaluated beside "
+                                      "the held-out rows and kept out of training; repeat for "
+                                      "more (at most 8)")
     c.add_argument("--name")
     c.add_argument("--config", help="run spec YAML")
     c.add_argument("--watch", action="store_true", help="follow it until it ends")

@@ -212,3 +212,72 @@ def test_compare_with_synchronous_from_a_run_page(page, live_server, alice, proj
     twins = Run.objects.exclude(id=run.id).order_by("id")
     assert [r.spec["rollout"]["max_staleness"] for r in twins] == [3, 0]
     assert "rollout.max_staleness" in page.locator("#sweep-runs").inner_text()
+
+
+def _evals(run, values: dict[int, float], *, metric: str = "greedy_accuracy",
+           half_width: float = 0.08) -> None:
+    """Evaluations as the trainer logs them: eval/<set>/<metric> with its 95% interval and the
+    weight version evaluated, at the step's wall time (as _series: 1 s per step)."""
+    from webapp.tracking.services import metrics_ingest
+
+    points = []
+    for s, v in values.items():
+        for key, value in ((metric, v), (f"{metric}_ci_lo", v - half_width),
+                           (f"{metric}_ci_hi", v + half_width), ("version", s - 1)):
+            points.append({"key": f"eval/heldout/{key}", "step": s, "value": value,
+                           "time": 1e9 + s})
+    metrics_ingest(run=run, points=points)
+
+
+def test_the_eval_panel_and_the_time_to_a_target_accuracy(page, live_server, alice, project,
+                                                          dataset, reward_version):
+    from webapp.runs.services import run_create
+
+    fast, slow = (run_create(project=project, user=alice, name=name, dataset_version=dataset,
+                             reward_version=reward_version, spec={"trainer": {"steps": 20}})
+                  for name in ("async", "sync"))
+    base = live_server.url
+    _login(page, base)
+    # No evaluation yet: the panel says so.
+    page.goto(f"{base}/runs/{fast.id}/")
+    assert page.locator("#eval-empty").is_visible()
+    for run in (fast, slow):
+        _series(run, 20, lambda s: s / 20)
+    _evals(fast, {5: 0.2, 10: 0.4, 15: 0.6, 20: 0.7})
+    _evals(fast, {5: 0.5, 10: 0.7, 15: 0.8, 20: 0.9}, metric="pass@k")
+    _evals(slow, {5: 0.1, 10: 0.2, 15: 0.3, 20: 0.45})
+    page.reload()
+    chart = "document.getElementById('eval-heldout-greedy_accuracy')"
+    page.wait_for_function(f"{chart} && {chart}.data && {chart}.data.length === 3")
+    assert page.locator("#eval-empty").is_hidden()
+    traces = page.evaluate(f"{chart}.data.map(t => [t.meta, t.fill || '', t.y])")
+    # The band: the interval's high end, then its low end filled up to it, under the values.
+    assert [t[0] for t in traces] == ["band", "band", "value"] and traces[1][1] == "tonexty"
+    assert traces[2][2] == [0.2, 0.4, 0.6, 0.7]
+    assert traces[1][2] == pytest.approx([0.12, 0.32, 0.52, 0.62])
+    hover = page.evaluate(f"{chart}.data[2].text")
+    assert hover[1].startswith("step 10 · version v9 · 95% [0.320, 0.480]")
+    assert page.locator("#eval-heldout-pass_k").count() == 1  # each metric the run logged
+    page.locator("#eval-panel").scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / "run-eval-panel.png"), full_page=True)
+
+    # The comparison: both curves with their bands, and the time each first reached the target
+    # (default: the lowest final accuracy, 0.45: the fast run between steps 10 and 15).
+    page.goto(f"{base}/compare/?ids={fast.id},{slow.id}")
+    page.wait_for_function("document.getElementById('eval-compare-chart').data && "
+                           "document.getElementById('eval-compare-chart').data.length === 6")
+    page.wait_for_function("!document.querySelector('#eval-summary tbody').textContent.includes('loading')")
+    assert page.inner_text("#eval-target-label") == "45.0%"
+    rows = page.locator("#eval-summary tbody tr")
+    first = rows.nth(0).inner_text()
+    # 0.45 is a quarter of the way from 0.4 (step 10, 9 s) to 0.6 (step 15, 14 s): 10.25 s.
+    assert "async" in first and f"{10.25 / 60:.2f} min" in first and "11.3" in first
+    assert "0.17 min" in first and "20.0" in rows.nth(1).inner_text()
+    page.fill("#eval-target", "0.65")
+    page.dispatch_event("#eval-target", "change")
+    page.wait_for_function("document.querySelector('#eval-summary tbody').textContent.includes('not reached')")
+    assert "not reached" in rows.nth(1).inner_text() and "min" in rows.nth(0).inner_text()
+    page.select_option("#x-axis", "time")
+    page.wait_for_function("document.getElementById('eval-compare-chart').layout.xaxis.title.text === 'wall time (s)'")
+    page.locator("#eval-summary").scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / "compare-eval-target.png"), full_page=True)

@@ -61,6 +61,23 @@ class RunNewForm(forms.Form):
     sweep_field_2 = forms.CharField(required=False, max_length=100)
     sweep_values_2 = forms.CharField(required=False, max_length=2000)
     share_warm_start = forms.BooleanField(required=False)
+    # Dataset versions marked as eval sets, attached to the run (a multiple select).
+    eval_set_versions = forms.TypedMultipleChoiceField(required=False, coerce=int, choices=())
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        picked = self.data.getlist("eval_set_versions") if hasattr(self.data, "getlist") else []
+        # Any id is a choice: run_create names the field for one that is not an eval set here.
+        self.fields["eval_set_versions"].choices = [(v, v) for v in picked]
+
+    def clean_eval_set_versions(self) -> list[int]:
+        ids = []
+        for value in self.cleaned_data.get("eval_set_versions") or []:
+            number = parse_count(str(value))
+            if number is None:
+                raise forms.ValidationError(f"dataset version ids are numbers, got {value!r}")
+            ids.append(number)
+        return ids
 
     def clean_spec(self) -> dict[str, Any]:
         return parse_spec_yaml(self.cleaned_data.get("spec", ""))
@@ -93,6 +110,12 @@ class DatasetUploadForm(forms.Form):
     name = forms.CharField(max_length=200)
     task = forms.CharField(required=False, max_length=50)
     file = forms.FileField(error_messages={"required": "choose a file to upload"})
+    is_eval_set = forms.BooleanField(required=False)
+
+
+class DatasetVersionEvalSetForm(forms.Form):
+    version = IdFormField()
+    is_eval_set = forms.BooleanField(required=False)
 
 
 class RewardCreateForm(forms.Form):

@@ -15,6 +15,8 @@ urlpatterns = [
     path("compare/", views.run_compare, name="run-compare"),
     path("datasets/", views.dataset_list_view, name="dataset-list"),
     path("datasets/<id:dataset_id>/", views.dataset_detail, name="dataset-detail"),
+    path("datasets/<id:dataset_id>/eval-set/", views.dataset_version_eval_set_view,
+         name="dataset-eval-set"),
     path("rewards/", views.reward_list_view, name="reward-list"),
     path("rewards/<id:reward_id>/", views.reward_detail, name="reward-detail"),
 ]

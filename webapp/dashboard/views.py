@@ -23,6 +23,7 @@ from webapp.dashboard.formatting import glance_items, grouped_metrics
 from webapp.dashboard.forms import (
     CloneForm,
     DatasetUploadForm,
+    DatasetVersionEvalSetForm,
     RewardCreateForm,
     RunCompareForm,
     RunListFilterForm,
@@ -34,8 +35,9 @@ from webapp.datasets.selectors import (
     dataset_list,
     dataset_version_get,
     dataset_version_list,
+    dataset_versions_get,
 )
-from webapp.datasets.services import dataset_upload
+from webapp.datasets.services import dataset_upload, dataset_version_eval_set_mark
 from webapp.registry.selectors import model_version_list
 from webapp.registry.services import model_version_request
 from webapp.rewards.selectors import (
@@ -48,6 +50,7 @@ from webapp.rewards.services import builtin_names, reward_function_create
 from webapp.runs.models import Run
 from webapp.runs.selectors import (
     run_config_diff,
+    run_eval_set_list,
     run_event_recent,
     run_gateway,
     run_get,
@@ -65,6 +68,7 @@ from webapp.tracking.selectors import (
     latest_metric_rows,
     latest_metrics,
     latest_metrics_for_runs,
+    run_eval_sets,
     run_glance,
     trajectory_steps,
 )
@@ -104,6 +108,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "checkpoints": checkpoint_list(run=run),
         "models": list(model_version_list(user=request.user, run_id=run.id)[:50]),
         "gateway": run_gateway(run=run),
+        "eval_sets": run_eval_set_list(run=run), "has_evals": bool(run_eval_sets(run=run)),
         "spec_json": json.dumps(run.spec, indent=2)})
 
 
@@ -202,8 +207,9 @@ def sweep_detail(request: HttpRequest, sweep_id: int) -> HttpResponse:
 
 def _new_run_context(request: HttpRequest, *, spec_text: str, values: dict) -> dict:
     fields = run_spec_fields(user=request.user)
-    return {"projects": project_list(user=request.user),
-            "datasets": dataset_list(user=request.user),
+    datasets = dataset_list(user=request.user)
+    return {"projects": project_list(user=request.user), "datasets": datasets,
+            "eval_set_choices": [v for d in datasets for v in d.versions.all() if v.is_eval_set],
             "rewards": reward_function_list(user=request.user), "errors": [],
             "spec_text": spec_text, "values": values,
             "sweepable": [f for f in fields if f["sweepable"]], "max_runs": MAX_RUNS,
@@ -224,6 +230,8 @@ def run_new(request: HttpRequest) -> HttpResponse:
                   "project": source.project_id if source else None,
                   "dataset_version": source.dataset_version_id if source else None,
                   "reward_version": source.reward_version_id if source else None,
+                  "eval_set_versions": ([v.id for v in run_eval_set_list(run=source)]
+                                        if source else []),
                   "share_warm_start": True}
         spec = run_spec_overrides(run=source) if source else {"trainer": {"steps": 20}}
         ctx = _new_run_context(request, spec_text=spec_to_yaml(spec), values=values)
@@ -235,6 +243,7 @@ def run_new(request: HttpRequest) -> HttpResponse:
         "name": post.get("name", ""), "project": _int(post.get("project")),
         "dataset_version": _int(post.get("dataset_version")),
         "reward_version": _int(post.get("reward_version")),
+        "eval_set_versions": [i for i in map(_int, post.getlist("eval_set_versions")) if i],
         "share_warm_start": bool(post.get("share_warm_start")),
         **{f"sweep_{kind}_{i}": post.get(f"sweep_{kind}_{i}", "")
            for kind in ("field", "values") for i in (1, 2)}})
@@ -246,16 +255,18 @@ def run_new(request: HttpRequest) -> HttpResponse:
         project = project_get_for_user(user=request.user, project_id=data["project"])
         dataset_version = dataset_version_get(user=request.user, version_id=data["dataset_version"])
         reward_version = reward_version_get(user=request.user, version_id=data["reward_version"])
+        eval_sets = dataset_versions_get(user=request.user, version_ids=data["eval_set_versions"])
         name = data["name"].strip() or "run"
         if data["axes"]:
             sweep = sweep_create(project=project, user=request.user, name=name,
                                  dataset_version=dataset_version, reward_version=reward_version,
                                  spec=data["spec"], axes=data["axes"],
-                                 share_warm_start=data["share_warm_start"])
+                                 share_warm_start=data["share_warm_start"],
+                                 eval_set_versions=eval_sets)
             return redirect("sweep-detail", sweep_id=sweep.id)
         run = run_create(project=project, user=request.user, name=name,
                          dataset_version=dataset_version, reward_version=reward_version,
-                         spec=data["spec"])
+                         spec=data["spec"], eval_set_versions=eval_sets)
         return redirect("run-detail", run_id=run.id)
     except ApplicationError as exc:
         return _run_new_errors(request, ctx, exc.errors, status=exc.status_code)
@@ -298,7 +309,7 @@ def dataset_list_view(request: HttpRequest) -> HttpResponse:
             project = project_get_for_user(user=request.user, project_id=data["project"])
             version = dataset_upload(project=project, user=request.user, name=data["name"].strip(),
                                      task=data["task"] or "qa", filename=upload.name,
-                                     data=upload.read())
+                                     data=upload.read(), is_eval_set=data["is_eval_set"])
             messages.success(request, f"stored {version} ({version.row_count} rows)")
             return redirect("dataset-detail", dataset_id=version.dataset_id)
         except ApplicationError as exc:
@@ -312,6 +323,26 @@ def dataset_detail(request: HttpRequest, dataset_id: int) -> HttpResponse:
     versions = dataset_version_list(dataset=dataset)
     return render(request, "dashboard/dataset_detail.html", {"dataset": dataset, "versions": versions,
                                                               "latest": versions[0] if versions else None})
+
+
+@login_required
+@require_POST
+def dataset_version_eval_set_view(request: HttpRequest, dataset_id: int) -> HttpResponse:
+    """'Eval set' on a dataset's page: mark a version as an eval set (runs may attach it), or
+    unmark it."""
+    dataset = dataset_get(user=request.user, dataset_id=dataset_id)
+    form = DatasetVersionEvalSetForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, "; ".join(f"{e['field']}: {e['message']}" for e in form_errors(form)))
+        return redirect("dataset-detail", dataset_id=dataset.id)
+    version = dataset_version_get(user=request.user, version_id=form.cleaned_data["version"])
+    if version.dataset_id != dataset.id:
+        messages.error(request, "version: not a version of this dataset")
+        return redirect("dataset-detail", dataset_id=dataset.id)
+    marked = form.cleaned_data["is_eval_set"]
+    dataset_version_eval_set_mark(version=version, is_eval_set=marked)
+    messages.success(request, f"{version} is {'now' if marked else 'no longer'} an eval set")
+    return redirect("dataset-detail", dataset_id=dataset.id)
 
 
 REWARD_TEMPLATE = (

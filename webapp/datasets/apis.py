@@ -12,7 +12,11 @@ from webapp.core.uploads import upload_check
 from webapp.datasets.builtins import BUILTINS
 from webapp.datasets.models import Dataset
 from webapp.datasets.selectors import dataset_get, dataset_list, dataset_version_get
-from webapp.datasets.services import dataset_create_builtin, dataset_upload
+from webapp.datasets.services import (
+    dataset_create_builtin,
+    dataset_upload,
+    dataset_version_eval_set_mark,
+)
 
 
 class DatasetVersionOutput(serializers.Serializer):
@@ -23,6 +27,8 @@ class DatasetVersionOutput(serializers.Serializer):
     checksum = serializers.CharField()
     row_count = serializers.IntegerField()
     stats = serializers.JSONField()
+    is_eval_set = serializers.BooleanField(help_text=(
+        "an eval set: runs of the project may attach it (eval_set_versions)"))
     created_at = serializers.DateTimeField()
 
 
@@ -60,6 +66,8 @@ class DatasetUploadApi(APIView):
         file = serializers.FileField()
         file_format = serializers.ChoiceField(choices=["jsonl", "parquet", "csv"], required=False)
         description = serializers.CharField(required=False, allow_blank=True, default="")
+        is_eval_set = serializers.BooleanField(required=False, default=False, help_text=(
+            "mark the version as an eval set (runs attach it as eval_set_versions)"))
 
     @extend_schema(operation_id="datasets_upload", request={"multipart/form-data": InputSerializer},
                    responses={201: DatasetVersionDetailOutput, **errors(400, 401, 404, 413)})
@@ -73,7 +81,8 @@ class DatasetUploadApi(APIView):
         upload = v["file"]
         version = dataset_upload(project=project, user=request.user, name=v["name"], task=v["task"],
                                  filename=upload.name, data=upload.read(),
-                                 file_format=v.get("file_format"), description=v["description"])
+                                 file_format=v.get("file_format"), description=v["description"],
+                                 is_eval_set=v["is_eval_set"])
         return Response(DatasetVersionDetailOutput(version).data, status=201)
 
 
@@ -104,8 +113,23 @@ class DatasetDetailApi(APIView):
 
 
 class DatasetVersionDetailApi(APIView):
+    class UpdateInput(serializers.Serializer):
+        is_eval_set = serializers.BooleanField(help_text=(
+            "true: runs of the project may attach this version as an eval set"))
+
     @extend_schema(operation_id="dataset_versions_retrieve",
                    responses={200: DatasetVersionDetailOutput, **errors(401, 404)})
     def get(self, request, version_id: int):
         version = dataset_version_get(user=request.user, version_id=version_id)
+        return Response(DatasetVersionDetailOutput(version).data)
+
+    @extend_schema(operation_id="dataset_versions_update", request=UpdateInput,
+                   responses={200: DatasetVersionDetailOutput, **errors(400, 401, 404)})
+    def patch(self, request, version_id: int):
+        """Mark a version as an eval set, or unmark it (members of its project)."""
+        data = self.UpdateInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        version = dataset_version_eval_set_mark(
+            version=dataset_version_get(user=request.user, version_id=version_id),
+            is_eval_set=data.validated_data["is_eval_set"])
         return Response(DatasetVersionDetailOutput(version).data)

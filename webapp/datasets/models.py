@@ -37,6 +37,9 @@ class DatasetVersion(models.Model):
     row_count = models.PositiveIntegerField()
     stats = models.JSONField(default=dict)
     preview = models.JSONField(default=list)
+    is_eval_set = models.BooleanField(default=False, help_text=(
+        "an eval set: runs of its project may attach it, and every question in it is removed "
+        "from those runs' training pool (issue 48)"))
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(auto_now_add=True)
 

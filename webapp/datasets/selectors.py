@@ -6,6 +6,7 @@ from pathlib import Path
 from django.db.models import Count, Max, QuerySet
 from django.http import Http404
 
+from webapp.core.errors import ApplicationError
 from webapp.datasets.builtins import BUILTIN_PROMPT_TEMPLATES
 from webapp.datasets.models import Dataset, DatasetVersion
 
@@ -31,6 +32,18 @@ def dataset_version_get(*, user, version_id: int) -> DatasetVersion:
             id=version_id, dataset__project__membership__user=user)
     except DatasetVersion.DoesNotExist:
         raise Http404("dataset version not found") from None
+
+
+def dataset_versions_get(*, user, version_ids: list[int],
+                         field: str = "eval_set_versions") -> list[DatasetVersion]:
+    """The versions in the order given, each one the user may read; a 400 naming ``field`` and
+    the id for any other (another project's version reads as one that does not exist)."""
+    found = {v.id: v for v in DatasetVersion.objects.select_related("dataset__project").filter(
+        id__in=version_ids, dataset__project__membership__user=user)}
+    for version_id in version_ids:
+        if version_id not in found:
+            raise ApplicationError(f"dataset version {version_id} not found", field=field)
+    return [found[i] for i in version_ids]
 
 
 def dataset_version_list(*, dataset: Dataset) -> list[DatasetVersion]:

@@ -94,9 +94,11 @@ def _dataset_get_or_create(*, project: Project, name: str, task: str, user, desc
 
 
 def dataset_upload(*, project: Project, user, name: str, task: str, filename: str, data: bytes,
-                   file_format: str | None = None, description: str = "") -> DatasetVersion:
-    """Validate a file; on success store a new immutable version. On any error nothing is stored
-    and the error lists every bad row (up to 50) with its line number."""
+                   file_format: str | None = None, description: str = "",
+                   is_eval_set: bool = False) -> DatasetVersion:
+    """Validate a file; on success store a new immutable version (marked as an eval set when
+    ``is_eval_set``). On any error nothing is stored and the error lists every bad row (up to
+    50) with its line number."""
     if len(data) > settings.DATASET_MAX_UPLOAD_BYTES:
         raise ApplicationError(
             f"file is {len(data) / 1e6:.1f} MB; the limit is "
@@ -122,8 +124,12 @@ def dataset_upload(*, project: Project, user, name: str, task: str, filename: st
         with transaction.atomic():
             dataset = _dataset_get_or_create(project=project, name=name, task=task, user=user,
                                              description=description)
-            return _version_create(dataset=dataset, summary=result.summary, rows_file=rows_file,
-                                   source=filename, file_format=fmt, user=user)
+            version = _version_create(dataset=dataset, summary=result.summary,
+                                      rows_file=rows_file, source=filename, file_format=fmt,
+                                      user=user)
+            if is_eval_set and not version.is_eval_set:
+                version = dataset_version_eval_set_mark(version=version, is_eval_set=True)
+            return version
     finally:
         if os.path.exists(rows_file):  # refused, or the transaction failed
             os.unlink(rows_file)
@@ -156,3 +162,12 @@ def dataset_version_revalidate(*, version_id: int) -> dict:
     parsed = list(enumerate(dataset_version_rows(version=version), 1))
     validate_rows(parsed, version.dataset.task, result)
     return {"ok": not result.errors, "errors": result.errors, "rows": len(parsed)}
+
+
+def dataset_version_eval_set_mark(*, version: DatasetVersion, is_eval_set: bool) -> DatasetVersion:
+    """Mark (or unmark) a version as an eval set: runs of its project may then attach it
+    (``run_create(eval_set_versions=...)``). The caller has checked that the user is a member
+    of the version's project (``dataset_version_get``). Runs that attached it keep it."""
+    DatasetVersion.objects.filter(id=version.id).update(is_eval_set=is_eval_set)
+    version.is_eval_set = is_eval_set
+    return version

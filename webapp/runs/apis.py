@@ -8,9 +8,9 @@ from webapp.accounts.selectors import project_get_for_user
 from webapp.core.fields import BoundedText
 from webapp.core.params import choice_param, int_param, paginated
 from webapp.core.schema import PROJECT_FILTER, ErrorItem, errors, int_query, str_query
-from webapp.datasets.selectors import dataset_version_get
+from webapp.datasets.selectors import dataset_version_get, dataset_versions_get
 from webapp.rewards.selectors import reward_version_get
-from webapp.runs.models import Run
+from webapp.runs.models import MAX_EVAL_SETS, Run
 from webapp.runs.selectors import run_event_list, run_get, run_list, run_spec_fields
 from webapp.runs.services import (
     run_cancel,
@@ -36,11 +36,18 @@ class RunOutput(serializers.Serializer):
     duration_s = serializers.FloatField(allow_null=True, help_text="null until it starts")
 
 
+class RunEvalSetOutput(serializers.Serializer):
+    name = serializers.CharField(help_text="its metrics are eval/<name>/...")
+    dataset_version_id = serializers.IntegerField()
+
+
 class RunSpecOutput(RunOutput):
     """A run with its resolved spec (what creating a run returns; the detail endpoint adds the
     tracker's latest metrics)."""
 
     spec = serializers.JSONField()
+    eval_sets = RunEvalSetOutput(many=True, source="eval_sets.all", help_text=(
+        "the eval-set dataset versions attached to the run"))
 
 
 class RunCreatedOutput(RunSpecOutput):
@@ -98,6 +105,12 @@ class RunCreateApi(APIView):
         dataset_version = serializers.IntegerField()
         reward_version = serializers.IntegerField()
         spec = serializers.DictField(required=False, default=dict)  # a mapping of sections
+        eval_set_versions = serializers.ListField(
+            child=serializers.IntegerField(min_value=1, max_value=2**63 - 1), required=False,
+            default=list,
+            max_length=MAX_EVAL_SETS, help_text=(
+                "dataset versions of the project marked as eval sets: each is evaluated "
+                "beside the run's held-out rows and its questions are kept out of training"))
 
     @extend_schema(operation_id="runs_create", request=InputSerializer,
                    responses={201: RunCreatedOutput, 503: NotQueuedOutput,
@@ -110,7 +123,9 @@ class RunCreateApi(APIView):
         run = run_create(project=project, user=request.user, name=v["name"],
                          dataset_version=dataset_version_get(user=request.user, version_id=v["dataset_version"]),
                          reward_version=reward_version_get(user=request.user, version_id=v["reward_version"]),
-                         spec=v["spec"])
+                         spec=v["spec"],
+                         eval_set_versions=dataset_versions_get(
+                             user=request.user, version_ids=v["eval_set_versions"]))
         if run.submit_error:  # created, but not queued: the outbox sends it again (reconcile)
             return Response(_not_queued(run), status=503)
         out = RunSpecOutput(run).data

@@ -75,6 +75,32 @@ class Run(models.Model):
         return ((self.finished_at or timezone.now()) - self.started_at).total_seconds()
 
 
+MAX_EVAL_SETS = 8  # EvalSpec.sets' bound in training_core.config
+
+
+class RunEvalSet(models.Model):
+    """A dataset version marked as an eval set, attached to a run: evaluated at every eval and
+    logged as ``eval/<name>/...``; the run's spec names it in ``eval.sets`` (set by run_create,
+    never by the user: its source is a path on the trainer's node)."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="eval_sets")
+    dataset_version = models.ForeignKey(DatasetVersion, on_delete=models.PROTECT,
+                                        related_name="eval_runs")
+    name = models.CharField(max_length=40, help_text="eval/<name>/...: the dataset's name as a "
+                                                     "slug, unique within the run")
+    position = models.PositiveSmallIntegerField(default=0)
+
+    class Meta:
+        ordering = ["position"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "name"], name="run_eval_set_name"),
+            models.UniqueConstraint(fields=["run", "dataset_version"], name="run_eval_set_version"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.dataset_version})"
+
+
 class RunEvent(models.Model):
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
     time = models.DateTimeField(auto_now_add=True, db_index=True)

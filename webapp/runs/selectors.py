@@ -104,8 +104,8 @@ def run_config_diff(*, runs: list[Run]) -> list[dict[str, Any]]:
 # ---- the run form: which spec fields a user sets, with what help ----------------------------
 
 # Set by the platform for a run of the web app: its name field, its dataset version, its reward
-# version and its tracker.
-PLATFORM_FIELDS = ("name", "data.source", "reward.fn", "metrics.")
+# version, its tracker and its eval sets (the eval-set dataset versions attached to it).
+PLATFORM_FIELDS = ("name", "data.source", "reward.fn", "metrics.", "eval.sets")
 # Up front in the form, in this order: what practitioners change most.
 COMMON_FIELDS = {
     "model.path": "model",
@@ -183,3 +183,14 @@ def run_spec_fields(*, user) -> list[dict[str, Any]]:
         fields.append(field)
     order = list(COMMON_FIELDS)
     return sorted(fields, key=lambda f: order.index(f["path"]) if f["common"] else len(order))
+
+
+def run_eval_set_list(*, run: Run) -> list:
+    """The eval-set dataset versions attached to the run, in order, each with its ``eval_name``
+    (``eval/<name>/...``)."""
+    out = []
+    for attached in run.eval_sets.select_related("dataset_version__dataset"):
+        version = attached.dataset_version
+        version.eval_name = attached.name
+        out.append(version)
+    return out

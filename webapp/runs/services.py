@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import secrets
 from typing import Any
 
@@ -14,7 +15,7 @@ from webapp.core.json_input import json_check
 from webapp.datasets.models import DatasetVersion
 from webapp.datasets.selectors import dataset_version_prompt_template
 from webapp.rewards.models import RewardFunctionVersion
-from webapp.runs.models import Run, RunEvent, RunToken, token_hash
+from webapp.runs.models import MAX_EVAL_SETS, Run, RunEvalSet, RunEvent, RunToken, token_hash
 from webapp.runs.policy import check_quota, check_spec_allowed
 
 
@@ -50,6 +51,7 @@ def run_spec_check(*, user, spec: dict[str, Any] | None = None,
     answer = {"valid": True, "errors": [], "spec": spec,
               "yaml": text if text is not None else spec_to_yaml(spec), "resolved": None}
     try:
+        _refuse_user_eval_sets(spec)
         answer["resolved"] = run_spec_validate(spec=spec)
         check_spec_allowed(user=user, spec=answer["resolved"])
     except ApplicationError as exc:
@@ -57,12 +59,72 @@ def run_spec_check(*, user, spec: dict[str, Any] | None = None,
     return answer
 
 
+def _refuse_user_eval_sets(spec: dict[str, Any]) -> None:
+    """``eval.sets`` names files on the trainer's node: the web app sets it from the eval-set
+    dataset versions attached to the run, never from the spec a user sends."""
+    section = spec.get("eval")
+    if isinstance(section, dict) and "sets" in section:
+        raise ApplicationError(
+            "eval.sets is set by the platform: attach eval-set dataset versions to the run "
+            "instead (eval_set_versions; mark a dataset version as an eval set first)",
+            field="spec.eval.sets")
+
+
+def _without_platform_eval_sets(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec as the administrator policy judges it: ``eval.sets`` (administrators only, as a
+    user's field: files on the trainer's host) is the platform's own here, written from the eval
+    sets attached to the run (a user's is refused before: ``_refuse_user_eval_sets``)."""
+    section = spec.get("eval")
+    if not isinstance(section, dict) or "sets" not in section:
+        return spec
+    return {**spec, "eval": {k: v for k, v in section.items() if k != "sets"}}
+
+
+def eval_set_name(dataset_name: str, taken: set[str]) -> str:
+    """An eval set's name in a run (``eval/<name>/...``): the dataset's name as a slug (a-z, 0-9,
+    _ and -, at most 40 characters), never ``heldout`` (the run's own set) and not one of
+    ``taken`` (a number is added)."""
+    from training_core.metric_names import DEFAULT_EVAL_SET
+
+    base = re.sub(r"[^a-z0-9_-]+", "-", dataset_name.lower()).strip("-_")[:40] or "set"
+    name, n = base, 1
+    while name in taken or name == DEFAULT_EVAL_SET:
+        n += 1
+        name = f"{base[:40 - len(str(n)) - 1]}-{n}"
+    return name
+
+
+def _eval_sets_check(project: Project, versions: list[DatasetVersion]) -> list[DatasetVersion]:
+    if len(versions) > MAX_EVAL_SETS:
+        raise ApplicationError(f"{len(versions)} eval sets; a run takes at most {MAX_EVAL_SETS}",
+                               field="eval_set_versions")
+    seen = set()
+    for v in versions:
+        if v.id in seen:
+            raise ApplicationError(f"dataset version {v.id} is listed twice",
+                                   field="eval_set_versions")
+        seen.add(v.id)
+        if v.dataset.project_id != project.id:
+            raise ApplicationError(f"dataset version {v.id} belongs to another project",
+                                   field="eval_set_versions")
+        if not v.is_eval_set:
+            raise ApplicationError(f"dataset version {v.id} ({v}) is not marked as an eval set; "
+                                   "mark it on its dataset's page (or PATCH "
+                                   f"/api/dataset-versions/{v.id}/ with is_eval_set: true)",
+                                   field="eval_set_versions")
+    return versions
+
+
 @transaction.atomic
 def run_create(*, project: Project, user, name: str, dataset_version: DatasetVersion,
                reward_version: RewardFunctionVersion, spec: dict[str, Any] | None = None,
-               sweep=None, sweep_values: dict[str, Any] | None = None) -> Run:
+               sweep=None, sweep_values: dict[str, Any] | None = None,
+               eval_set_versions: list[DatasetVersion] | None = None) -> Run:
     """Validate, check the administrator policy, store, and submit on commit. ``sweep``: the
-    sweep (webapp.sweeps) this run belongs to, with its values of the sweep's axes."""
+    sweep (webapp.sweeps) this run belongs to, with its values of the sweep's axes.
+    ``eval_set_versions``: dataset versions of the project marked as eval sets (at most
+    MAX_EVAL_SETS), each evaluated as ``eval/<name>/...``; the spec's ``eval.sets`` is set
+    from them (a user-given one is refused)."""
     if dataset_version.dataset.project_id != project.id:
         raise ApplicationError("dataset version belongs to another project", field="dataset_version")
     if reward_version.reward_function.project_id != project.id:
@@ -70,8 +132,18 @@ def run_create(*, project: Project, user, name: str, dataset_version: DatasetVer
     if reward_version.status != RewardFunctionVersion.Status.VALID:
         raise ApplicationError(f"reward version is {reward_version.status}; only validated "
                                "reward functions can be used", field="reward_version")
+    eval_sets = _eval_sets_check(project, list(eval_set_versions or []))
     spec = dict(json_check(spec or {}, "spec"))
+    _refuse_user_eval_sets(spec)
     spec["name"] = name
+    names: list[str] = []
+    for v in eval_sets:
+        names.append(eval_set_name(v.dataset.name, set(names)))
+    if names:  # where the node puts each set's rows (training_core.remote_run rewrites them)
+        from training_core.remote_run import EVAL_SETS_DIR
+
+        spec["eval"] = {**(spec.get("eval") or {}), "sets": [
+            {"name": n, "source": f"jsonl:{EVAL_SETS_DIR}/{n}.jsonl"} for n in names]}
     # The dataset and reward are fixed by the run, not by free-form spec fields.
     spec["data"] = dict(spec.get("data") or {})
     spec.setdefault("reward", {})
@@ -79,7 +151,7 @@ def run_create(*, project: Project, user, name: str, dataset_version: DatasetVer
     if template is not None:
         spec["data"].setdefault("prompt_template", template)
     resolved = run_spec_validate(spec=spec)
-    check_spec_allowed(user=user, spec=resolved)
+    check_spec_allowed(user=user, spec=_without_platform_eval_sets(resolved))
     check_quota(project=project, user=user, spec=resolved)
     resolved["reward"]["fn"] = reward_version.fn_path
     online = (resolved.get("rollout") or {}).get("mode") == "online"
@@ -87,6 +159,8 @@ def run_create(*, project: Project, user, name: str, dataset_version: DatasetVer
                              reward_version=reward_version, spec=resolved, created_by=user,
                              sweep=sweep, sweep_values=sweep_values or {},
                              gateway_key=secrets.token_urlsafe(32) if online else "")
+    RunEvalSet.objects.bulk_create([RunEvalSet(run=run, dataset_version=v, name=n, position=i)
+                                    for i, (v, n) in enumerate(zip(eval_sets, names, strict=True))])
     run_event_add(run=run, kind="created", message=f"run created by {user}")
     transaction.on_commit(lambda: run_submit_send(run=run))
     return run
@@ -176,7 +250,7 @@ def run_resume(*, run: Run, user) -> Run:
     if run.status not in (Run.Status.FAILED, Run.Status.CANCELLED):
         raise ApplicationError(f"only a failed or cancelled run can be resumed; this one is "
                                f"{run.status}", field="status", status_code=409)
-    check_spec_allowed(user=user, spec=run.spec)
+    check_spec_allowed(user=user, spec=_without_platform_eval_sets(run.spec))
     run.status = Run.Status.QUEUED
     run.status_reason = ""
     run.finished_at = None

@@ -7,9 +7,10 @@ from webapp.accounts.selectors import project_get_for_user
 from webapp.core.fields import BoundedText
 from webapp.core.params import int_param, paginated
 from webapp.core.schema import PROJECT_FILTER, errors, int_query
-from webapp.datasets.selectors import dataset_version_get
+from webapp.datasets.selectors import dataset_version_get, dataset_versions_get
 from webapp.rewards.selectors import reward_version_get
 from webapp.runs.apis import RunOutput
+from webapp.runs.models import MAX_EVAL_SETS
 from webapp.runs.selectors import run_get
 from webapp.sweeps.selectors import sweep_get, sweep_list, sweep_runs
 from webapp.sweeps.services import (
@@ -66,6 +67,10 @@ class SweepCreateApi(APIView):
         spec = serializers.DictField(required=False, default=dict, help_text="the shared spec")
         axes = AXES
         share_warm_start = serializers.BooleanField(default=True)
+        eval_set_versions = serializers.ListField(
+            child=serializers.IntegerField(min_value=1, max_value=2**63 - 1), required=False,
+            default=list,
+            max_length=MAX_EVAL_SETS, help_text="eval-set dataset versions, attached to each run")
 
     @extend_schema(operation_id="sweeps_create", request=InputSerializer,
                    responses={201: SweepDetailOutput, **errors(400, 401, 403, 404)})
@@ -79,7 +84,9 @@ class SweepCreateApi(APIView):
             dataset_version=dataset_version_get(user=request.user, version_id=v["dataset_version"]),
             reward_version=reward_version_get(user=request.user, version_id=v["reward_version"]),
             spec=v["spec"], axes=[dict(a) for a in v["axes"]],
-            share_warm_start=v["share_warm_start"])
+            share_warm_start=v["share_warm_start"],
+            eval_set_versions=dataset_versions_get(user=request.user,
+                                                   version_ids=v["eval_set_versions"]))
         return Response(_detail(sweep), status=201)
 
 

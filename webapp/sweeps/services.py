@@ -14,7 +14,12 @@ from webapp.core.errors import ApplicationError
 from webapp.datasets.models import DatasetVersion
 from webapp.rewards.models import RewardFunctionVersion
 from webapp.runs.models import Run
-from webapp.runs.selectors import PLATFORM_FIELDS, run_spec_overrides, run_spec_resolved
+from webapp.runs.selectors import (
+    PLATFORM_FIELDS,
+    run_eval_set_list,
+    run_spec_overrides,
+    run_spec_resolved,
+)
 from webapp.runs.services import run_create, run_spec_validate
 from webapp.sweeps.models import Sweep
 
@@ -84,9 +89,11 @@ def _run_name(name: str, values: dict[str, Any]) -> str:
 @transaction.atomic
 def sweep_create(*, project: Project, user, name: str, dataset_version: DatasetVersion,
                  reward_version: RewardFunctionVersion, spec: dict[str, Any] | None,
-                 axes: Any, share_warm_start: bool = True) -> Sweep:
-    """One run per combination of the axes' values, queued together. A value the spec refuses
-    is an error naming it (``axes[0].values[2]``) and nothing is created."""
+                 axes: Any, share_warm_start: bool = True,
+                 eval_set_versions: list[DatasetVersion] | None = None) -> Sweep:
+    """One run per combination of the axes' values, queued together, each with the same eval
+    sets attached. A value the spec refuses is an error naming it (``axes[0].values[2]``) and
+    nothing is created."""
     axes = _axes_check(axes)
     base = dict(spec or {})
     combos = []
@@ -115,16 +122,18 @@ def sweep_create(*, project: Project, user, name: str, dataset_version: DatasetV
     for values, combo in combos:
         run_create(project=project, user=user, name=_run_name(name, values),
                    dataset_version=dataset_version, reward_version=reward_version, spec=combo,
-                   sweep=sweep, sweep_values=values)
+                   sweep=sweep, sweep_values=values, eval_set_versions=eval_set_versions)
     return sweep
 
 
 def sweep_create_from_run(*, run: Run, user, axes: Any, name: str | None = None) -> Sweep:
-    """A sweep of fresh runs around ``run``'s configuration (its dataset, reward and spec),
-    launched together so that wall time and reward compare fairly, with one warm start."""
+    """A sweep of fresh runs around ``run``'s configuration (its dataset, reward, spec and eval
+    sets), launched together so that wall time and reward compare fairly, with one warm
+    start."""
     return sweep_create(project=run.project, user=user, name=name or run.name,
                         dataset_version=run.dataset_version, reward_version=run.reward_version,
-                        spec=run_spec_overrides(run=run), axes=axes)
+                        spec=run_spec_overrides(run=run), axes=axes,
+                        eval_set_versions=run_eval_set_list(run=run))
 
 
 def sweep_against_synchronous(*, run: Run, user) -> Sweep:

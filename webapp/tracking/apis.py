@@ -28,12 +28,15 @@ from webapp.runs.models import Run
 from webapp.runs.selectors import run_config_diff, run_gateway, run_get, runs_get
 from webapp.runs.services import run_event_add, run_status_set, run_token_issue
 from webapp.tracking.selectors import (
+    EVAL_CHART_METRICS,
     X_AXES,
     latest_metrics,
     latest_metrics_for_runs,
+    run_eval_series,
     run_last_step,
     run_series,
     runs_compare,
+    runs_eval_compare,
     trajectory_list,
 )
 from webapp.tracking.services import (
@@ -191,6 +194,11 @@ class RunSweepOutput(serializers.Serializer):
     share_warm_start = serializers.BooleanField()
 
 
+class RunEvalSetIngestOutput(serializers.Serializer):
+    name = serializers.CharField(help_text="the spec's eval.sets entry of this name")
+    dataset_version = serializers.IntegerField()
+
+
 class RunInfoIngestApi(IngestApi):
     """What the GPU side needs: the spec, the dataset rows location, cancellation."""
 
@@ -206,6 +214,8 @@ class RunInfoIngestApi(IngestApi):
         sweep = RunSweepOutput(allow_null=True, help_text="the run's sweep, if any")
         gateway_key = serializers.CharField(allow_blank=True, help_text=(
             "online mode: the run key its gateway accepts (empty otherwise)"))
+        eval_sets = RunEvalSetIngestOutput(many=True, help_text=(
+            "the run's eval sets: fetch each one's rows from /api/ingest/eval-sets/<id>/"))
 
     # Every IngestApi is throttled per run token: each documents the 429 (schemathesis checks it).
     @extend_schema(operation_id="ingest_run_retrieve", responses={200: Output, **errors(401, 429)})
@@ -219,7 +229,9 @@ class RunInfoIngestApi(IngestApi):
                                     "source": run.reward_version.source},
                          "sweep": ({"id": run.sweep.id, "share_warm_start": run.sweep.share_warm_start}
                                    if run.sweep else None),
-                         "gateway_key": run.gateway_key})
+                         "gateway_key": run.gateway_key,
+                         "eval_sets": [{"name": e.name, "dataset_version": e.dataset_version_id}
+                                       for e in run.eval_sets.all()]})
 
 
 class DatasetRowsIngestApi(IngestApi):
@@ -232,6 +244,24 @@ class DatasetRowsIngestApi(IngestApi):
         version = self.run.dataset_version
         return FileResponse(open(version.rows_path, "rb"), content_type="application/jsonl",
                             filename=f"dataset-{version.id}.jsonl")
+
+
+class EvalSetRowsIngestApi(IngestApi):
+    """The rows of an eval set attached to the run (only those: any other version is a 404)."""
+
+    @extend_schema(operation_id="ingest_eval_set_rows", responses={
+        (200, "application/jsonl"): OpenApiResponse(OpenApiTypes.BINARY, description="one JSON row per line"),
+        **errors(401, 404, 429)})
+    def get(self, request, version_id: int):
+        from django.http import FileResponse, Http404
+
+        attached = (self.run.eval_sets.select_related("dataset_version")
+                    .filter(dataset_version_id=version_id).first())
+        if attached is None:
+            raise Http404("no eval set of this run has that dataset version")
+        version = attached.dataset_version
+        return FileResponse(open(version.rows_path, "rb"), content_type="application/jsonl",
+                            filename=f"eval-set-{version.id}.jsonl")
 
 
 # ---- a user's view of a run's tracking data --------------------------------------------------
@@ -450,3 +480,99 @@ class RunCompareApi(APIView):
         if not ids:
             raise ValidationError({"ids": "give at least one run id"})
         return Response(compare_response(request, runs_get(user=request.user, run_ids=ids)))
+
+
+# ---- evaluations (issue 48) -------------------------------------------------------------------
+
+
+class EvalCurveOutput(serializers.Serializer):
+    set = serializers.CharField(help_text="the eval set (heldout: the run's own held-out rows)")
+    metric = serializers.ChoiceField(choices=list(EVAL_CHART_METRICS))
+    key = serializers.CharField(help_text="eval/<set>/<metric>")
+    x = serializers.ListField(child=serializers.FloatField())
+    step = serializers.ListField(child=serializers.IntegerField())
+    value = serializers.ListField(child=serializers.FloatField())
+    lo = serializers.ListField(child=serializers.FloatField(allow_null=True),
+                               help_text="the 95% interval's low end (null: not logged)")
+    hi = serializers.ListField(child=serializers.FloatField(allow_null=True))
+    version = serializers.ListField(child=serializers.IntegerField(allow_null=True),
+                                    help_text="the weight version evaluated")
+    downsampled = serializers.BooleanField()
+
+
+class RunEvalsApi(APIView):
+    """The run page's evaluation panel: each eval set, each metric, with its 95% interval."""
+
+    renderer_classes = CHART_RENDERERS
+
+    class Output(serializers.Serializer):
+        run = serializers.IntegerField()
+        curves = EvalCurveOutput(many=True, help_text="empty: no evaluation yet")
+
+    @extend_schema(operation_id="runs_evals_retrieve", parameters=[BUCKETS, X_AXIS],
+                   responses={200: Output, **errors(400, 401, 404)})
+    def get(self, request, run_id: int):
+        run = run_get(user=request.user, run_id=run_id)
+        buckets, x = _buckets(request), _x(request)
+        return Response({"run": run.id, "curves": run_eval_series(run=run, buckets=buckets, x=x)})
+
+
+class EvalReachOutput(serializers.Serializer):
+    run_id = serializers.IntegerField()
+    name = serializers.CharField()
+    status = serializers.CharField()
+    evals = serializers.IntegerField(help_text="evaluations of this set and metric")
+    final = serializers.FloatField(allow_null=True, help_text="the last evaluation's value")
+    final_step = serializers.IntegerField(allow_null=True)
+    final_ci = serializers.ListField(child=serializers.FloatField(allow_null=True),
+                                     allow_null=True, help_text="its 95% interval [lo, hi]")
+    reached = serializers.BooleanField(help_text="false: the target was never reached")
+    minutes_to_target = serializers.FloatField(allow_null=True, help_text=(
+        "wall time from the run's first step, interpolated between the two evaluations that "
+        "straddle the target"))
+    step_to_target = serializers.FloatField(allow_null=True)
+    tokens_to_target = serializers.FloatField(allow_null=True)
+
+
+class EvalCompareOutput(serializers.Serializer):
+    set = serializers.CharField()
+    metric = serializers.CharField()
+    sets = serializers.DictField(child=serializers.ListField(child=serializers.CharField()),
+                                 help_text="every eval set the runs have, with its metrics")
+    target = serializers.FloatField(allow_null=True, help_text=(
+        "default: the lowest final value among the runs"))
+    series = serializers.JSONField(help_text="run id -> curve (as in /evals/)")
+    rows = EvalReachOutput(many=True)
+
+
+class RunEvalCompareApi(APIView):
+    """Eval accuracy of several runs against step, tokens or wall time, and when each first
+    reached a target accuracy."""
+
+    renderer_classes = CHART_RENDERERS
+
+    @extend_schema(operation_id="runs_compare_evals", parameters=[
+        str_query("ids", "comma-separated run ids, 1-20"),
+        str_query("set", "eval set (default: heldout, else the first the runs have)"),
+        str_query("metric", "default greedy_accuracy", list(EVAL_CHART_METRICS)),
+        BUCKETS, X_AXIS,
+        OpenApiParameter("target", {"type": "number"}, OpenApiParameter.QUERY, required=False,
+                         description="accuracy to time (default: the lowest final value)")],
+        responses={200: EvalCompareOutput, **errors(400, 401, 404)})
+    def get(self, request):
+        try:
+            ids = [int(x) for x in list_param(request, "ids", max_items=20, max_length=18) or []]
+        except ValueError:
+            raise ValidationError({"ids": "comma-separated run ids"}) from None
+        if not ids:
+            raise ValidationError({"ids": "give at least one run id"})
+        set_name = request.query_params.get("set") or None
+        if set_name is not None and (len(set_name) > 40 or "/" in set_name):
+            raise ValidationError({"set": "an eval set's name: at most 40 characters, no '/'"})
+        metric = request.query_params.get("metric") or "greedy_accuracy"
+        if metric not in EVAL_CHART_METRICS:
+            raise ValidationError({"metric": f"must be one of {', '.join(EVAL_CHART_METRICS)}"})
+        runs = runs_get(user=request.user, run_ids=ids)
+        return Response(runs_eval_compare(runs=runs, set_name=set_name, metric=metric,
+                                          x=_x(request), target=_target(request),
+                                          buckets=_buckets(request)))

@@ -417,3 +417,134 @@ def trajectory_steps(*, run: Run) -> list[int]:
 def checkpoint_list(*, run: Run, limit: int = 20) -> list[Checkpoint]:
     """The run's newest checkpoints first."""
     return list(run.checkpoints.order_by("-step")[:limit])
+
+
+# ---- evaluations (issue 48): eval/<set>/<metric>, each with its 95% interval ------------------
+
+EVAL_CHART_METRICS = ("greedy_accuracy", "avg@k", "pass@k", "maj@k")  # charted, in this order
+
+
+def run_eval_sets(*, run: Run) -> dict[str, list[str]]:
+    """The eval sets a run has logged and, for each, the metrics of EVAL_CHART_METRICS it has
+    (the run's own held-out set first, then by name)."""
+    return runs_eval_sets(runs=[run])
+
+
+def runs_eval_sets(*, runs: list[Run]) -> dict[str, list[str]]:
+    """The union of :func:`run_eval_sets` over ``runs``."""
+    found: dict[str, set[str]] = {}
+    keys = (LatestMetric.objects.filter(run__in=runs, key__startswith="eval/")
+            .values_list("key", flat=True).distinct())
+    for key in keys:
+        parts = key.split("/")
+        if len(parts) == 3 and parts[2] in EVAL_CHART_METRICS:
+            found.setdefault(parts[1], set()).add(parts[2])
+    order = sorted(found, key=lambda name: (name != M.DEFAULT_EVAL_SET, name))
+    return {name: [m for m in EVAL_CHART_METRICS if m in found[name]] for name in order}
+
+
+def _eval_keys(set_name: str, metric: str) -> tuple[str, str, str, str]:
+    """(value, interval low, interval high, weight version) keys of one eval metric."""
+    return (f"eval/{set_name}/{metric}", f"eval/{set_name}/{metric}_ci_lo",
+            f"eval/{set_name}/{metric}_ci_hi", f"eval/{set_name}/version")
+
+
+def _eval_curve(found: dict[str, dict[str, Any]], axis: _XAxis, set_name: str,
+                metric: str) -> dict[str, Any]:
+    """One metric's curve from the bucketed series of its four keys: x, step, value, its
+    interval (lo, hi) and the weight version evaluated, one entry per bucket of the value's
+    series (the others are logged at the same steps, so their buckets end at the same steps)."""
+    value_key, lo_key, hi_key, version_key = _eval_keys(set_name, metric)
+    series = axis.add(dict(found[value_key]))
+    at = {key: dict(zip(found[key]["step"], found[key][column], strict=True))
+          for key, column in ((lo_key, "min"), (hi_key, "max"), (version_key, "max"))}
+    return {"set": set_name, "metric": metric, "key": value_key, "x": series["x"],
+            "step": series["step"], "value": series["mean"],
+            "lo": [at[lo_key].get(s) for s in series["step"]],
+            "hi": [at[hi_key].get(s) for s in series["step"]],
+            "version": [None if at[version_key].get(s) is None else int(at[version_key][s])
+                        for s in series["step"]],
+            "downsampled": series["downsampled"]}
+
+
+def run_eval_series(*, run: Run, buckets: int = 400, x: str = "step") -> list[dict[str, Any]]:
+    """The run page's evaluation panel: for each eval set the run logged and each metric it has
+    (greedy accuracy always; avg@k, pass@k and maj@k when the run sampled), the curve against
+    ``x`` with its 95% interval and the weight version of each point. Downsampled as the other
+    series are (a bucket's interval is the widest of its points'). Empty: no evals yet."""
+    sets = run_eval_sets(run=run)
+    pairs = [(name, metric) for name, metrics in sets.items() for metric in metrics]
+    found = _series_batches([run], [k for p in pairs for k in _eval_keys(*p)], buckets)[run.id]
+    axis = _XAxis(run, x)
+    return [_eval_curve(found, axis, name, metric) for name, metric in pairs]
+
+
+def _straddle(points: list[tuple[float, float, float, float]],
+              target: float) -> tuple[float, float, float] | None:
+    """(seconds, step, tokens) at which ``points`` (step, value, seconds, tokens; by step)
+    first reach ``target``: linearly interpolated between the two evaluations that straddle it;
+    the first evaluation's own when it already does; None when none does."""
+    for i, (step, value, seconds, tokens) in enumerate(points):
+        if value < target:
+            continue
+        if i == 0:
+            return seconds, float(step), tokens
+        step0, value0, seconds0, tokens0 = points[i - 1]
+        f = (target - value0) / (value - value0)  # value0 < target <= value
+        return (seconds0 + f * (seconds - seconds0), step0 + f * (step - step0),
+                tokens0 + f * (tokens - tokens0))
+    return None
+
+
+def runs_eval_compare(*, runs: list[Run], set_name: str | None = None,
+                      metric: str = "greedy_accuracy", x: str = "step",
+                      target: float | None = None, buckets: int = 200) -> dict[str, Any]:
+    """The compare view's evaluation: every run's curve of one eval ``metric`` of one eval set
+    (default: the held-out set, else the first any run has) against ``x`` with its interval, and
+    per run when it first reached ``target`` accuracy: wall time since its first step (its
+    first ``version`` point, as the time axis), step and tokens consumed, each interpolated
+    between the two evaluations that straddle the target (None: not reached). The default
+    target is the lowest final value among the runs that have one (the time-to-accuracy
+    benchmark's rule: every run reaches it)."""
+    if metric not in EVAL_CHART_METRICS:
+        raise ValueError(f"metric must be one of {', '.join(EVAL_CHART_METRICS)}")
+    sets = runs_eval_sets(runs=runs)
+    if set_name is None:
+        set_name = next(iter(sets), M.DEFAULT_EVAL_SET)
+    value_key, lo_key, hi_key, _ = keys = _eval_keys(set_name, metric)
+    axes = {r.id: _XAxis(r, x) for r in runs}
+    found = _series_batches(runs, list(keys), buckets)
+    series = {r.id: _eval_curve(found[r.id], axes[r.id], set_name, metric) for r in runs}
+    points: dict[int, list[tuple[int, float, float]]] = {r.id: [] for r in runs}
+    lows, highs = {}, {}
+    for run_id, key, step, value, wall in (
+            MetricPoint.objects.filter(run__in=runs, key__in=[value_key, lo_key, hi_key])
+            .order_by("run_id", "step").values_list("run_id", "key", "step", "value", "wall_time")):
+        if key == value_key:
+            points[run_id].append((step, value, wall))
+        else:
+            (lows if key == lo_key else highs)[(run_id, step)] = value
+    finals = {rid: p[-1] for rid, p in points.items() if p}
+    if target is None and finals:
+        target = min(value for _, value, _ in finals.values())
+    rows = []
+    for run in runs:
+        axis = axes[run.id]  # whatever its x: the tokens at any step, the run's start time
+        start = axis.start([w for _, _, w in points[run.id]])
+        steps, totals = axis.tokens()
+        curve = [(s, v, w - start, _interpolate(steps, totals, s)) for s, v, w in points[run.id]]
+        reached = _straddle(curve, target) if target is not None and curve else None
+        final = finals.get(run.id)
+        rows.append({
+            "run_id": run.id, "name": run.name, "status": run.status,
+            "evals": len(curve), "final": final[1] if final else None,
+            "final_step": final[0] if final else None,
+            "final_ci": ([lows.get((run.id, final[0])), highs.get((run.id, final[0]))]
+                         if final else None),
+            "reached": reached is not None,
+            "minutes_to_target": reached[0] / 60 if reached else None,
+            "step_to_target": reached[1] if reached else None,
+            "tokens_to_target": reached[2] if reached else None,
+        })
+    return {"set": set_name, "metric": metric, "sets": sets, "target": target,
+            "series": series, "rows": rows}

@@ -24,6 +24,13 @@
   // config values) goes in with its "<" escaped, so it shows as typed and never as markup.
   const plain = text => String(text).replace(/&/g, "&amp;").replace(/</g, "&lt;");
 
+  const fmt = {
+    n: (v, d = 3) => v === null || v === undefined ? "–" : Number(v).toFixed(d),
+    pct: v => v === null || v === undefined ? "–" : (100 * v).toFixed(1) + "%",
+    s: v => v === null || v === undefined ? "–" : v < 120 ? v.toFixed(1) + " s" : (v / 60).toFixed(1) + " min",
+    int: v => v === null || v === undefined ? "–" : Math.round(v).toLocaleString(),
+  };
+
   // ---- controls ----------------------------------------------------------------------------
   function controls(kind, onChange) {
     const key = "oolong.charts." + kind;
@@ -95,6 +102,42 @@
        legend: {orientation: "h", x: 0, y: -0.22, yanchor: "top", font: {size: 11}},
        xaxis: {title: {text: AXIS_TITLES[x], font: {size: 11}, standoff: 2}}};
   const PLOT_CONFIG = {displayModeBar: false, responsive: true};
+
+  // ---- evaluations (eval/<set>/<metric>, issue 48) ----------------------------------------
+  const EVAL_TITLES = {greedy_accuracy: "greedy accuracy", "avg@k": "avg@k", "pass@k": "pass@k",
+                       "maj@k": "maj@k"};
+  // One eval curve: its 95% interval as a shaded band (the high end, then the low end filled up
+  // to it) under the value's line; the hover names the weight version evaluated.
+  function evalTraces(curve, label, color) {
+    const hover = curve.step.map((s, i) => `step ${s} · version ` +
+      (curve.version[i] === null ? "–" : "v" + curve.version[i]) +
+      (curve.lo[i] === null ? "" : ` · 95% [${fmt.n(curve.lo[i])}, ${fmt.n(curve.hi[i])}]`));
+    return [
+      {x: curve.x, y: curve.hi, mode: "lines", line: {width: 0, color}, showlegend: false,
+       hoverinfo: "skip", name: "95% interval (high)", meta: "band"},
+      {x: curve.x, y: curve.lo, mode: "lines", line: {width: 0, color}, fill: "tonexty",
+       fillcolor: color + "33", name: plain(label) + " 95% interval", showlegend: false,
+       hoverinfo: "skip", meta: "band"},
+      {x: curve.x, y: curve.value, mode: "lines+markers", name: plain(label), line: {color},
+       text: hover, hovertemplate: "%{y:.3f}<br>%{text}<extra>" + plain(label) + "</extra>",
+       meta: "value"},
+    ];
+  }
+  async function drawEvals(cfg, state) {
+    const box = document.getElementById("eval-charts");
+    if (!box) return;
+    const data = await getJSON(`/api/runs/${cfg.run_id}/evals/?buckets=${cfg.buckets}&x=${state.x}`);
+    document.getElementById("eval-empty").hidden = data.curves.length > 0;
+    data.curves.forEach((c, i) => {
+      const title = `${c.set}: ${EVAL_TITLES[c.metric] || c.metric}`;
+      const div = ensureDiv(box, `eval-${c.set}-${c.metric}`.replace(/[^A-Za-z0-9_-]/g, "_"));
+      div.dataset.set = c.set;
+      div.dataset.metric = c.metric;
+      Plotly.react(div, evalTraces(c, c.metric, COLORS[i % COLORS.length]),
+                   {...layout(plain(title), false, state.x), yaxis: {rangemode: "tozero"}},
+                   PLOT_CONFIG);
+    });
+  }
 
   // ---- the run page ------------------------------------------------------------------------
   async function drawRun(cfg, state) {
@@ -174,12 +217,6 @@
   }
 
   // ---- comparisons (the compare page and a sweep's page) -----------------------------------
-  const fmt = {
-    n: (v, d = 3) => v === null || v === undefined ? "–" : Number(v).toFixed(d),
-    pct: v => v === null || v === undefined ? "–" : (100 * v).toFixed(1) + "%",
-    s: v => v === null || v === undefined ? "–" : v < 120 ? v.toFixed(1) + " s" : (v / 60).toFixed(1) + " min",
-    int: v => v === null || v === undefined ? "–" : Math.round(v).toLocaleString(),
-  };
   function summaryTable(summary, focus) {
     document.getElementById("target-label").textContent = summary.target === null ? "–" : summary.target.toFixed(3);
     const rows = summary.rows;
@@ -243,6 +280,47 @@
                         line: {color, colorscale: "Viridis", showscale: true, colorbar: {title: {text: "final reward"}}}}],
                  {margin: {l: 60, r: 60, t: 40, b: 20}}, PLOT_CONFIG);
   }
+  // The comparison's evaluation: one eval set's metric per run with its band, and when each
+  // run first reached the target accuracy (interpolated between the evaluations around it).
+  async function drawEvalCompare(cfg, state) {
+    const box = document.getElementById("eval-compare-chart");
+    if (!box) return;
+    const setSel = document.getElementById("eval-set"), metricSel = document.getElementById("eval-metric");
+    const target = document.getElementById("eval-target").value.trim();
+    const q = `ids=${cfg.run_ids.join(",")}&buckets=${cfg.buckets}&x=${state.x}` +
+              (setSel.value ? `&set=${encodeURIComponent(setSel.value)}` : "") +
+              `&metric=${encodeURIComponent(metricSel.value || "greedy_accuracy")}` +
+              (target !== "" ? `&target=${encodeURIComponent(target)}` : "");
+    const data = await getJSON(`/api/runs/compare/evals/?${q}`);
+    const sets = Object.keys(data.sets);
+    setSel.replaceChildren(...sets.map(name => el("option", {value: name}, name)));
+    setSel.value = data.set;
+    const metrics = data.sets[data.set] || ["greedy_accuracy"];
+    metricSel.replaceChildren(...metrics.map(m => el("option", {value: m}, EVAL_TITLES[m] || m)));
+    metricSel.value = metrics.includes(data.metric) ? data.metric : metrics[0];
+    document.getElementById("eval-target-label").textContent = data.target === null ? "–" : fmt.pct(data.target);
+    const t = [];
+    cfg.run_ids.forEach((id, ri) => {
+      const curve = data.series[id];
+      const row = data.rows.find(r => r.run_id === id);
+      if (curve && curve.step.length) t.push(...evalTraces(curve, row.name, COLORS[ri % COLORS.length]));
+    });
+    const title = `${data.set}: ${EVAL_TITLES[data.metric] || data.metric}`;
+    Plotly.react(box, t, {...layout(plain(title), !t.length, state.x), showlegend: true}, PLOT_CONFIG);
+    const body = document.querySelector("#eval-summary tbody");
+    body.replaceChildren(...data.rows.map(r => {
+      const tr = el("tr", {"data-run": String(r.run_id)});
+      const ci = r.final_ci && r.final_ci[0] !== null ? ` [${fmt.pct(r.final_ci[0])}, ${fmt.pct(r.final_ci[1])}]` : "";
+      const cells = [r.name, String(r.evals), r.final === null ? "–" : fmt.pct(r.final) + ci];
+      if (!r.evals) cells.push("no evaluation yet", "", "");
+      else if (!r.reached) cells.push("not reached", "", "");
+      else cells.push(r.minutes_to_target.toFixed(2) + " min", r.step_to_target.toFixed(1),
+                      fmt.int(r.tokens_to_target));
+      cells.forEach((text, i) => tr.append(el("td", {class: i ? "num" : ""}, text)));
+      return tr;
+    }));
+    return data;
+  }
   async function drawCompare(cfg, state, target) {
     const keys = [...new Set(cfg.charts.flatMap(c => c[1]))];
     const q = `ids=${cfg.run_ids.join(",")}&keys=${encodeURIComponent(keys.join(","))}&buckets=${cfg.buckets}&x=${state.x}` +
@@ -275,6 +353,7 @@
       let state;
       const tick = async () => {
         await drawRun(cfg, state);
+        await drawEvals(cfg, state);
         await drawTrajectories(cfg.run_id, sel && sel.value);
         const run = await getJSON(`/api/runs/${cfg.run_id}/`);
         const badge = document.getElementById("run-status");
@@ -283,7 +362,7 @@
         if (cfg.live) await refreshEvents(cfg.run_id);
         return run;
       };
-      state = controls("run", () => drawRun(cfg, state));
+      state = controls("run", () => { drawRun(cfg, state); drawEvals(cfg, state); });
       if (sel) sel.addEventListener("change", () => drawTrajectories(cfg.run_id, sel.value));
       tick().then(run => {
         if (!cfg.live) return;
@@ -297,9 +376,15 @@
       const target = document.getElementById("target");
       let state;
       const draw = () => drawCompare(cfg, state, target.value.trim());
-      state = controls("compare", draw);
+      const drawEvalsNow = () => drawEvalCompare(cfg, state);
+      state = controls("compare", () => { draw(); drawEvalsNow(); });
       target.addEventListener("change", draw);
+      for (const id of ["eval-set", "eval-metric", "eval-target"]) {
+        const input = document.getElementById(id);
+        if (input) input.addEventListener("change", drawEvalsNow);
+      }
       draw();
+      drawEvalsNow();
       const onlyDiff = document.getElementById("only-diff");
       if (onlyDiff) onlyDiff.addEventListener("change", e =>
         document.getElementById("diff-table").classList.toggle("only-diff", e.target.checked));
