@@ -466,6 +466,17 @@ def compare_response(request, runs: list[Run]) -> dict:
     }
 
 
+def _run_ids(request) -> list[int]:
+    """The ``ids`` query parameter of the compare endpoints: 1-20 run ids, a 400 naming it."""
+    try:
+        ids = [int(x) for x in list_param(request, "ids", max_items=20, max_length=18) or []]
+    except ValueError:
+        raise ValidationError({"ids": "comma-separated run ids"}) from None
+    if not ids:
+        raise ValidationError({"ids": "give at least one run id"})
+    return ids
+
+
 class RunCompareApi(APIView):
     renderer_classes = CHART_RENDERERS
 
@@ -473,12 +484,7 @@ class RunCompareApi(APIView):
         str_query("ids", "comma-separated run ids, 1-20"), KEYS, BUCKETS, X_AXIS, TARGET],
         responses={200: CompareOutput, **errors(400, 401, 404)})
     def get(self, request):
-        try:
-            ids = [int(x) for x in list_param(request, "ids", max_items=20, max_length=18) or []]
-        except ValueError:
-            raise ValidationError({"ids": "comma-separated run ids"}) from None
-        if not ids:
-            raise ValidationError({"ids": "give at least one run id"})
+        ids = _run_ids(request)
         return Response(compare_response(request, runs_get(user=request.user, run_ids=ids)))
 
 
@@ -560,12 +566,7 @@ class RunEvalCompareApi(APIView):
                          description="accuracy to time (default: the lowest final value)")],
         responses={200: EvalCompareOutput, **errors(400, 401, 404)})
     def get(self, request):
-        try:
-            ids = [int(x) for x in list_param(request, "ids", max_items=20, max_length=18) or []]
-        except ValueError:
-            raise ValidationError({"ids": "comma-separated run ids"}) from None
-        if not ids:
-            raise ValidationError({"ids": "give at least one run id"})
+        ids = _run_ids(request)
         set_name = request.query_params.get("set") or None
         if set_name is not None and (len(set_name) > 40 or "/" in set_name):
             raise ValidationError({"set": "an eval set's name: at most 40 characters, no '/'"})
