@@ -63,11 +63,7 @@ class Release:
             self.sampling = _load(root, "srt/sampling/sampling_params.py", "sglang_oracle_sampling")
             self.versions = _load(root, "srt/utils/weight_versions.py", "sglang_oracle_versions")
         finally:
-            for key, value in saved.items():
-                if value is None:
-                    sys.modules.pop(key, None)
-                else:
-                    sys.modules[key] = value
+            _restore_modules(saved)
         self.auth = _load(root, "srt/utils/auth.py", "sglang_oracle_auth")
 
     # ---- the rules, as SGLang applies them ---------------------------------------------------
@@ -207,9 +203,14 @@ def lora_parser(root: Path) -> tuple[Any, list[str]]:
         parser = argparse.ArgumentParser(exit_on_error=False)
         arg_utils.add_cli_args_from_dataclass(parser, fields.Lora)
     finally:
-        for key, value in saved.items():
-            if value is None:
-                sys.modules.pop(key, None)
-            else:
-                sys.modules[key] = value
+        _restore_modules(saved)
     return parser, values["SUPPORTED_LORA_TARGET_MODULES"]
+
+
+def _restore_modules(saved: dict) -> None:
+    """Put ``sys.modules`` back as it was before the oracle's stubs and loads."""
+    for key, value in saved.items():
+        if value is None:
+            sys.modules.pop(key, None)
+        else:
+            sys.modules[key] = value
