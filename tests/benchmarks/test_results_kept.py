@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 BENCHMARKS = sorted((p.stem for p in (ROOT / "benchmarks").glob("*.py")), key=len, reverse=True)
-VARIANTS = ("quick", "smollm2", "bf16", "scan", "chain_sum_8steps", "products_8steps")
+VARIANTS = ("quick", "smollm2", "bf16", "scan", "chain_sum_8steps", "products_8steps", "oolong_only")
 # a machine's name in a file name -> its class: vendor and the widest instruction set the
 # engine's kernels use there
 CPU_CLASSES = {"zen3": "amd_avx2", "zen4": "amd_avx512_bf16", "xeon_noamx": "intel_avx512_bf16",
