@@ -17,10 +17,7 @@ ADMIN_FIELDS = ("orchestration.provider", "orchestration.terraform_vars", "rollo
                 "reward.remote_backend", "run_dir",
                 # where the online gateway listens and how it is reached: the network's business
                 "rollout.agent.gateway_host", "rollout.agent.gateway_port",
-                "rollout.agent.public_url",
-                # files on the trainer's host: members attach eval-set dataset versions instead
-                # (the web app writes eval.sets itself)
-                "eval.sets")
+                "rollout.agent.public_url")
 
 
 # Every member-settable number that costs memory, CPU, disk or time has a bound (issue 47: quotas

@@ -70,16 +70,6 @@ def _refuse_user_eval_sets(spec: dict[str, Any]) -> None:
             field="spec.eval.sets")
 
 
-def _without_platform_eval_sets(spec: dict[str, Any]) -> dict[str, Any]:
-    """The spec as the administrator policy judges it: ``eval.sets`` (administrators only, as a
-    user's field: files on the trainer's host) is the platform's own here, written from the eval
-    sets attached to the run (a user's is refused before: ``_refuse_user_eval_sets``)."""
-    section = spec.get("eval")
-    if not isinstance(section, dict) or "sets" not in section:
-        return spec
-    return {**spec, "eval": {k: v for k, v in section.items() if k != "sets"}}
-
-
 def eval_set_name(dataset_name: str, taken: set[str]) -> str:
     """An eval set's name in a run (``eval/<name>/...``): the dataset's name as a slug (a-z, 0-9,
     _ and -, at most 40 characters), never ``heldout`` (the run's own set) and not one of
@@ -151,7 +141,7 @@ def run_create(*, project: Project, user, name: str, dataset_version: DatasetVer
     if template is not None:
         spec["data"].setdefault("prompt_template", template)
     resolved = run_spec_validate(spec=spec)
-    check_spec_allowed(user=user, spec=_without_platform_eval_sets(resolved))
+    check_spec_allowed(user=user, spec=resolved)
     check_quota(project=project, user=user, spec=resolved)
     resolved["reward"]["fn"] = reward_version.fn_path
     online = (resolved.get("rollout") or {}).get("mode") == "online"
@@ -250,7 +240,7 @@ def run_resume(*, run: Run, user) -> Run:
     if run.status not in (Run.Status.FAILED, Run.Status.CANCELLED):
         raise ApplicationError(f"only a failed or cancelled run can be resumed; this one is "
                                f"{run.status}", field="status", status_code=409)
-    check_spec_allowed(user=user, spec=_without_platform_eval_sets(run.spec))
+    check_spec_allowed(user=user, spec=run.spec)
     run.status = Run.Status.QUEUED
     run.status_reason = ""
     run.finished_at = None
