@@ -11,7 +11,17 @@ export PREFECT_HOME=${PREFECT_HOME:-$PWD/.cache/prefect}
 # fc-list: a process, which unit tests refuse. Built here, once, before any test runs.
 export MPLCONFIGDIR=${MPLCONFIGDIR:-$PWD/.cache/matplotlib}
 bash scripts/services.sh up
-trap 'bash scripts/services.sh down' EXIT
+# At the end, the jails' image tmpfs under this checkout's cache is unmounted too
+# (training_core/jail/runtime.py: a root caller's outlives the run and holds memory); each pytest
+# session releases those under its own temporary directory (tests/conftest.py).
+release_jail_images() {
+  if [ "$(id -u)" = 0 ] && [ -x .venv/bin/python ]; then
+    .venv/bin/python -c 'import os, sys; from pathlib import Path
+from training_core.jail.runtime import release_images
+for p in release_images(Path(os.environ["OOLONG_CACHE"])): print("released", p, file=sys.stderr)' || true
+  fi
+}
+trap 'release_jail_images; bash scripts/services.sh down' EXIT
 # checkov lives in its own tool environment: it installs an `hcl2` module that conflicts with
 # python-hcl2 in the project's venv.
 CHECKOV_ENV=.cache/tools/checkov

@@ -33,6 +33,27 @@ COST_MARKERS = {"training_core": "engine", "webapp": "web", "security": "securit
                 "benchmarks": "benchmarks", "workers": "workers"}
 
 
+def _release_jail_images(config) -> None:
+    """A root caller's jail images sit on a tmpfs that outlives the test that mounted it
+    (training_core/jail/runtime.py): one under this session's temporary directory would make
+    the next session's pytest unable to empty it (every test erroring at setup, as a CI run on a
+    machine a clean-clone run had used once did). Released at the start and at the end."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    base = getattr(factory, "_basetemp", None) or config.option.basetemp
+    if base and os.geteuid() == 0:
+        from training_core.jail.runtime import release_images
+
+        release_images(Path(base))
+
+
+def pytest_sessionstart(session):
+    _release_jail_images(session.config)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _release_jail_images(session.config)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("unit"):  # declared by its module: the cheapest cost

@@ -64,6 +64,7 @@ STDLIB_LEFT_OUT = {"site-packages", "dist-packages", "test", "idlelib", "tkinter
 BUILD = 2  # the image layout's version: a change builds every image again
 TMPFS_MB = 8192  # the root caller's image tmpfs (a bound: it holds only what is written)
 STALE_S = 86400  # an image no jail used this long is removed
+IMAGE_FS = "oolong-jail-runtime"  # the image tmpfs's source name, as mountinfo shows it
 
 
 @dataclass(frozen=True)
@@ -189,11 +190,35 @@ def images_root() -> Path:
             if not _is_tmpfs_mount(root):
                 result = subprocess.run(
                     [shutil.which("mount") or "/bin/mount", "-t", "tmpfs", "-o", f"mode=0755,nosuid,nodev,size={TMPFS_MB}m",
-                     "oolong-jail-runtime", str(root)], capture_output=True, text=True)
+                     IMAGE_FS, str(root)], capture_output=True, text=True)
                 if result.returncode != 0:
                     raise SandboxUnavailable(f"could not mount the jail runtime's tmpfs at {root}: "
                                              f"{result.stderr.strip()}")
     return root
+
+
+def release_images(under: Path) -> list[str]:
+    """Unmount every image tmpfs mounted at or below ``under`` (lazily: a running jail keeps its
+    binds), deepest first, and return their paths. A root caller's tmpfs outlives the process that
+    mounted it, and a directory holding one cannot be removed: a test session releases those
+    under its temporary directory, else the next session cannot empty it."""
+    top = str(Path(under).resolve())
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        sep = fields.index("-")
+        point = _unescape(fields[4])
+        if (fields[sep + 1] == "tmpfs" and fields[sep + 2] == IMAGE_FS
+                and (point == top or point.startswith(top.rstrip("/") + "/"))):
+            found.append(point)
+    released = []
+    for point in sorted(set(found), key=len, reverse=True):
+        result = subprocess.run([shutil.which("umount") or "/bin/umount", "-l", point],
+                                capture_output=True, text=True)
+        if result.returncode == 0:
+            released.append(point)
+    runtime.cache_clear()
+    return released
 
 
 @contextlib.contextmanager
