@@ -40,12 +40,17 @@ def trl_step_clock() -> Any:
 def grpo_config(work: Path, *, steps: int, seed: int, lr: float, group_size: int,
                 batch_groups: int, max_new_tokens: int, bf16: bool, use_cpu: bool) -> Any:
     """TRL's GRPOConfig as the three benchmarks run it: one optimizer step per generated batch
-    of ``batch_groups`` prompts x ``group_size`` samples, no KL (beta 0, as Oolong's grpo), no
-    saving or logging of its own."""
+    of ``batch_groups`` prompts x ``group_size`` samples, no KL (beta 0, as Oolong's grpo), a
+    constant learning rate (as Oolong's trainer; transformers' default decays it linearly to 0
+    over ``max_steps``, which gave TRL half the mean rate in a 12-step run), no activation
+    checkpointing (as Oolong's default, ``trainer.activation_checkpointing``; TRL's GRPOConfig
+    turns it on, a third more compute per update at no gain for a model this size), no saving
+    or logging of its own."""
     from trl import GRPOConfig
 
     return GRPOConfig(
         output_dir=str(work / "trl"), max_steps=steps, learning_rate=lr, seed=seed,
+        lr_scheduler_type="constant", gradient_checkpointing=False,
         per_device_train_batch_size=group_size * batch_groups, num_generations=group_size,
         gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
         max_completion_length=max_new_tokens, temperature=1.0, beta=0.0, use_cpu=use_cpu,
