@@ -170,14 +170,20 @@ def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
-def _is_tmpfs_mount(path: Path) -> bool:
-    target = str(path.resolve())
+def _tmpfs_mounts() -> list[tuple[str, str]]:
+    """Each tmpfs in this process's mount table: (mount point, source name)."""
+    found = []
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         fields = line.split()
         sep = fields.index("-")
-        if _unescape(fields[4]) == target and fields[sep + 1] == "tmpfs":
-            return True
-    return False
+        if fields[sep + 1] == "tmpfs":
+            found.append((_unescape(fields[4]), fields[sep + 2]))
+    return found
+
+
+def _is_tmpfs_mount(path: Path) -> bool:
+    target = str(path.resolve())
+    return any(point == target for point, _ in _tmpfs_mounts())
 
 
 def images_root() -> Path:
@@ -202,17 +208,11 @@ def release_images(under: Path) -> list[str]:
     binds), deepest first, and return their paths. A root caller's tmpfs outlives the process that
     mounted it, and a directory holding one cannot be removed: a test session releases those
     under its temporary directory, else the next session cannot empty it."""
-    top = str(Path(under).resolve())
-    found = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        sep = fields.index("-")
-        point = _unescape(fields[4])
-        if (fields[sep + 1] == "tmpfs" and fields[sep + 2] == IMAGE_FS
-                and (point == top or point.startswith(top.rstrip("/") + "/"))):
-            found.append(point)
+    top = Path(under).resolve()
+    found = {point for point, source in _tmpfs_mounts()
+             if source == IMAGE_FS and Path(point).is_relative_to(top)}
     released = []
-    for point in sorted(set(found), key=len, reverse=True):
+    for point in sorted(found, key=len, reverse=True):
         result = subprocess.run([shutil.which("umount") or "/bin/umount", "-l", point],
                                 capture_output=True, text=True)
         if result.returncode == 0:
