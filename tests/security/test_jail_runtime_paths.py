@@ -17,8 +17,12 @@ import training_core
 from training_core.jail import FILES_DIR, Limits, python, runtime, spawn
 
 PROBE = r'''
-import json, os, sys
+import json, os, re, sys
 needles, file_needles = json.loads(sys.stdin.readline())
+# A host path as a whole path: not followed by a name's character (a checkout at /tmp/x is
+# not named by imaplib's '/tmp/xxx 1').
+file_patterns = [(n, re.compile(re.escape(n.encode()) + rb"(?![A-Za-z0-9._-])"))
+                 for n in file_needles]
 seen = {"mountinfo": open("/proc/self/mountinfo").read(), "maps": open("/proc/self/maps").read(),
         "executable": sys.executable, "prefix": sys.prefix, "base_prefix": sys.base_prefix,
         "exec_prefix": sys.exec_prefix, "path": repr(sys.path), "os": os.__file__,
@@ -45,7 +49,7 @@ for root, dirs, files in os.walk("/opt/oolong"):
             continue
         with open(path, "rb") as handle:
             data = handle.read()
-        hits += [(path, n) for n in file_needles if n.encode() in data]
+        hits += [(path, n) for n, pattern in file_patterns if pattern.search(data)]
     if "pyvenv.cfg" in files:
         hits.append((root, "pyvenv.cfg"))
 seen["files"] = json.dumps(hits)
